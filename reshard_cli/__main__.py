@@ -1,0 +1,3 @@
+from reshard_cli.cli import main
+
+main()

@@ -1,0 +1,130 @@
+"""The `reshard` command line: thin Typer commands over library calls.
+
+Every ReshardError becomes one line on stderr and its exit code (2: bad input, 1: runtime failure);
+`--debug` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from reshard_cli.errors import ConfigError, ReshardError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Refit LLM weights between trainer and inference layouts, moving only the bytes each rank needs.")
+
+_state = {"debug": False}
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
+    _state["debug"] = debug
+
+
+SrcOpt = typer.Option(..., "--src", help="Trainer (source) layout YAML.")
+DstOpt = typer.Option(..., "--dst", help="Inference (destination) layout YAML.")
+TopoOpt = typer.Option(None, "--topology", help="Topology YAML (which ranks share an NVLink domain).")
+ModeOpt = typer.Option("hybrid", "--mode", help="reshard | broadcast | hybrid (FFN/expert weights by reshard).")
+MatchOpt = typer.Option(None, "--reshard-match", help="Regex of tensors that take the reshard path in hybrid mode.")
+
+
+def _build_plan(src: Path, dst: Path, topology: Optional[Path], mode: str, reshard_match: Optional[str]):
+    from reshard_cli.layout import load_pair
+    from reshard_cli.plan import DEFAULT_RESHARD_MATCH, Plan
+    from reshard_cli.topo import NO_TOPOLOGY, load_topology
+
+    src_l, dst_l = load_pair(src, dst)
+    topo = load_topology(topology) if topology else NO_TOPOLOGY
+    return Plan(src_l, dst_l, topo, mode=mode, reshard_match=reshard_match or DEFAULT_RESHARD_MATCH)
+
+
+@app.command()
+def plan(
+    src: Path = SrcOpt,
+    dst: Path = DstOpt,
+    topology: Optional[Path] = TopoOpt,
+    mode: str = ModeOpt,
+    reshard_match: Optional[str] = MatchOpt,
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures and every piece as JSON."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="Show only what this global rank sends and receives."),
+):
+    """Show what a refit between two layouts moves, and what it costs, before any GPU is touched."""
+    import time
+
+    from reshard_cli.report import fmt_bytes, plan_text, table, write_json
+
+    t0 = time.perf_counter()
+    p = _build_plan(src, dst, topology, mode, reshard_match)
+    t_layout = time.perf_counter() - t0
+    if rank is not None:
+        if rank not in p.src.ranks and rank not in p.dst.ranks:
+            raise ConfigError(f"rank {rank} is in neither group (src {p.src.ranks[0]}-{p.src.ranks[-1]}, "
+                              f"dst {p.dst.ranks[0]}-{p.dst.ranks[-1]})", key="--rank")
+        t1 = time.perf_counter()
+        view = p.rank_view(rank)
+        dt = time.perf_counter() - t1
+        names = p.src.manifest.tensors
+        rows = []
+        for pc in view.pieces:
+            item = names[pc.tensor].nbytes // max(names[pc.tensor].numel, 1)
+            rows.append([names[pc.tensor].name, pc.src, pc.dst, str(pc.box), "fwd" if pc.phase else "net",
+                         fmt_bytes(pc.box.numel * item)])
+        typer.echo(f"rank {rank}: {len(view.pieces)} pieces, {len(view.bcasts)} broadcasts (planned in {dt * 1e3:.1f} ms)")
+        if rows:
+            typer.echo(table(["tensor", "src", "dst", "box", "phase", "bytes"], rows[:200]))
+            if len(rows) > 200:
+                typer.echo(f"  ... {len(rows) - 200} more (use --json)")
+        if json_out:
+            write_json(json_out, {"rank": rank, "plan_seconds": dt,
+                                  "pieces": [_piece_json(p, pc) for pc in view.pieces],
+                                  "broadcasts": [_bcast_json(p, b) for b in view.bcasts]})
+        return
+    stats = p.stats()
+    stats["layout_seconds"] = t_layout
+    typer.echo(plan_text(stats))
+    if json_out:
+        doc = dict(stats)
+        doc["pieces"] = [_piece_json(p, pc) for pc in p.pieces()]
+        doc["broadcasts"] = [_bcast_json(p, b) for b in p.bcasts()]
+        write_json(json_out, doc)
+        typer.echo(f"  wrote {json_out}")
+
+
+def _piece_json(p, pc) -> dict:
+    return {"tensor": p.src.manifest.tensors[pc.tensor].name, "src": pc.src, "dst": pc.dst,
+            "offsets": list(pc.box.offsets), "sizes": list(pc.box.sizes), "phase": pc.phase}
+
+
+def _bcast_json(p, b) -> dict:
+    return {"tensor": p.src.manifest.tensors[b.tensor].name, "root": b.root,
+            "gather": [{"src": s, "offsets": list(a.offsets), "sizes": list(a.sizes)} for s, a in b.gather],
+            "receivers": list(b.receivers)}
+
+
+def main() -> None:
+    """Console entry point: one-line errors, exit codes 2 (bad input) / 1 (runtime failure)."""
+    debug = "--debug" in sys.argv[1:]
+    try:
+        app()
+    except ReshardError as e:
+        if debug:
+            raise
+        typer.echo(f"reshard: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("reshard: interrupted", err=True)
+        sys.exit(130)
+    except Exception as e:  # a bug: still one line unless --debug
+        if debug:
+            raise
+        typer.echo(f"reshard: internal error: {e.__class__.__name__}: {e} (run with --debug for the traceback)",
+                   err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

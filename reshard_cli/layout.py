@@ -1,0 +1,391 @@
+"""Layouts: a model manifest + a group of global ranks + named meshes + rules that place every tensor.
+
+    model: qwen3-30b-a3b              # bundled name | config.json | safetensors file/dir/index | YAML tensor list
+    ranks: 0-15                       # optional; src defaults to 0.., dst to the ranks right after src
+    meshes:                           # or `mesh: {dp: 4, tp: 4}` for one mesh (named "default")
+      dense:  {pp: 2, dp: 4, tp: 2}   # row-major over `ranks`: the last dim varies fastest
+      expert: {pp: 2, ep: 4, etp: 2}
+    pipeline: pp                      # or {dim: pp, layers: [24, 24]}: layer i lives on one stage
+    experts: ep                       # or [dp, tp]: expert e lives on one coordinate of these dims (flattened)
+    placements:                       # first match wins; mesh dims not named replicate
+      - {match: 'experts\\.\\d+\\.(gate|up)_proj', mesh: expert, shard: {etp: 0}}
+
+A tensor's placement on a layout is a `Placement`: the mesh, a Shard dim or None per mesh dim, and the
+coordinates fixed by its pipeline stage / expert. Identical placements are shared objects, so the planner
+can treat all tensors with the same (shape, dtype, src placement, dst placement) as one class.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+from reshard_cli.errors import ConfigError
+from reshard_cli.geometry import Box, shard_box
+from reshard_cli.models import Manifest, load_manifest
+from reshard_cli.yamlio import check_keys, line_of, load_yaml, parse_ranks
+
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+FIRST_STAGE_RE = re.compile(r"embed|wte|word_embeddings")
+TOP_KEYS = ("name", "description", "model", "dtype", "ranks", "mesh", "meshes", "pipeline", "experts",
+            "placements", "source")
+RULE_KEYS = ("match", "mesh", "shard")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    name: str
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]  # global ranks in row-major coordinate order
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank_at(self, coord: tuple[int, ...]) -> int:
+        i = 0
+        for c, n in zip(coord, self.shape):
+            i = i * n + c
+        return self.ranks[i]
+
+    def coord_of(self, rank: int) -> tuple[int, ...]:
+        i = self.ranks.index(rank)
+        out = []
+        for n in reversed(self.shape):
+            out.append(i % n)
+            i //= n
+        return tuple(reversed(out))
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where one tensor lives in a layout. Compared by identity: the layout interns equal placements."""
+
+    mesh: Mesh
+    shard: tuple  # per mesh dim: tensor dim (Shard) or None (Replicate)
+    fixed: tuple  # per mesh dim: fixed coordinate (pipeline stage / expert) or None
+
+    @cached_property
+    def coords(self) -> tuple[tuple[int, ...], ...]:
+        axes = [range(n) if f is None else (f,) for n, f in zip(self.mesh.shape, self.fixed)]
+        return tuple(product(*axes))
+
+    @cached_property
+    def holders(self) -> tuple[int, ...]:
+        return tuple(self.mesh.rank_at(c) for c in self.coords)
+
+    @cached_property
+    def holder_set(self) -> frozenset:
+        return frozenset(self.holders)
+
+    def boxes(self, shape: tuple[int, ...]) -> list[tuple[Box, tuple[int, ...]]]:
+        """Unique boxes in first-appearance order, each with the ranks (replicas) holding it."""
+        groups: dict[Box, list[int]] = {}
+        for c, r in zip(self.coords, self.holders):
+            groups.setdefault(shard_box(shape, self.mesh.shape, c, self.shard), []).append(r)
+        return [(b, tuple(rs)) for b, rs in groups.items()]
+
+    def box_of(self, shape: tuple[int, ...], rank: int) -> Box:
+        return shard_box(shape, self.mesh.shape, self.mesh.coord_of(rank), self.shard)
+
+    def describe(self) -> str:
+        parts = []
+        for d, s, f in zip(self.mesh.dims, self.shard, self.fixed):
+            if f is not None:
+                parts.append(f"{d}={f}")
+            elif s is not None:
+                parts.append(f"{d}:S({s})")
+        return f"{self.mesh.name}[{', '.join(parts) or 'replicate'}]"
+
+
+@dataclass(frozen=True)
+class Rule:
+    index: int
+    pattern: re.Pattern
+    mesh: Mesh
+    shard: tuple  # per mesh dim: tensor dim or None
+    line: int | None
+
+
+@dataclass(frozen=True)
+class Layout:
+    file: str
+    name: str
+    manifest: Manifest
+    ranks: tuple[int, ...]
+    meshes: dict[str, Mesh]
+    pipeline: str | None
+    stage_of_layer: tuple[int, ...]
+    experts: tuple[str, ...]
+    rules: tuple[Rule, ...]
+    placements: tuple[Placement, ...] = field(repr=False)  # one per manifest tensor
+    source: Any = None  # raw `source:` mapping (used by `reshard run`)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def placement(self, tensor: int) -> Placement:
+        return self.placements[tensor]
+
+    def describe(self) -> str:
+        meshes = "; ".join(f"{m.name}=" + "×".join(f"{d}{n}" for d, n in zip(m.dims, m.shape))
+                           for m in self.meshes.values())
+        return f"{self.name}: {self.size} ranks {self.ranks[0]}-{self.ranks[-1]}, {meshes}"
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_layout(path: str | Path, *, first_rank: int = 0) -> Layout:
+    """Load and validate a layout YAML. `first_rank` is where `ranks` starts when the file omits it."""
+    file = str(path)
+    doc = load_yaml(path)
+    check_keys(doc, TOP_KEYS, file=file, where="", required=("model",))
+    if ("mesh" in doc) == ("meshes" in doc):
+        raise ConfigError("give exactly one of `mesh:` (one mesh) or `meshes:` (named meshes)", file=file,
+                          line=getattr(doc, "line", None))
+
+    model = doc["model"]
+    if not isinstance(model, str):
+        raise ConfigError("expected a model name or a path", file=file, key="model", line=line_of(doc, "model"))
+    dtype = doc.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        raise ConfigError("expected a dtype name like bfloat16", file=file, key="dtype", line=line_of(doc, "dtype"))
+    manifest = load_manifest(model, base_dir=Path(file).parent, dtype=dtype, file=file, key="model")
+
+    raw_meshes = {"default": doc["mesh"]} if "mesh" in doc else doc["meshes"]
+    mesh_key = "mesh" if "mesh" in doc else "meshes"
+    if not isinstance(raw_meshes, dict) or not raw_meshes:
+        raise ConfigError("expected a mapping of meshes", file=file, key=mesh_key, line=line_of(doc, mesh_key))
+    shapes: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
+    for mname, spec in raw_meshes.items():
+        key = mesh_key if mesh_key == "mesh" else f"meshes.{mname}"
+        if not isinstance(spec, dict) or not spec:
+            raise ConfigError("expected a mapping of dim: size, like {dp: 2, tp: 4}", file=file, key=key,
+                              line=line_of(raw_meshes, mname) if mesh_key == "meshes" else line_of(doc, "mesh"))
+        for d, n in spec.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ConfigError("mesh dim size must be a positive integer", file=file, key=f"{key}.{d}",
+                                  line=line_of(spec, d))
+        shapes[str(mname)] = (tuple(str(d) for d in spec), tuple(spec.values()))
+
+    sizes = {m: _prod(s) for m, (_, s) in shapes.items()}
+    if "ranks" in doc:
+        ranks = parse_ranks(doc["ranks"], file=file, key="ranks", line=line_of(doc, "ranks"))
+    else:
+        ranks = tuple(range(first_rank, first_rank + next(iter(sizes.values()))))
+    for m, n in sizes.items():
+        if n != len(ranks):
+            key = mesh_key if mesh_key == "mesh" else f"meshes.{m}"
+            raise ConfigError(f"mesh product {n} != number of ranks {len(ranks)}", file=file, key=key,
+                              line=line_of(raw_meshes, m) if mesh_key == "meshes" else line_of(doc, "mesh"))
+    meshes = {m: Mesh(m, dims, shape, ranks) for m, (dims, shape) in shapes.items()}
+    all_dims = {d for m in meshes.values() for d in m.dims}
+
+    layers = [_int_match(LAYER_RE, t.name) for t in manifest.tensors]
+    num_layers = max((x for x in layers if x is not None), default=-1) + 1
+    pipeline, stage_of_layer = _parse_pipeline(doc, file, meshes, all_dims, num_layers)
+    experts = _parse_experts(doc, file, all_dims)
+    rules = _parse_rules(doc, file, meshes)
+
+    # Placement of each tensor. Everything that decides it is (rule, ndim, stage, expert owner), so each
+    # distinct key is resolved and validated once; 50k-tensor models share a few hundred placements.
+    resolved: dict[tuple, Placement] = {}
+    placements: list[Placement] = []
+    used = [False] * len(rules)
+    default_mesh = next(iter(meshes.values()))
+    experts_seen = [_int_match(EXPERT_RE, t.name) for t in manifest.tensors]
+    num_experts = max((e for e in experts_seen if e is not None), default=-1) + 1
+    for ti, t in enumerate(manifest.tensors):
+        rule = next((r for r in rules if r.pattern.search(t.name)), None)
+        layer, e = layers[ti], experts_seen[ti]
+        if pipeline is None:
+            stage_key = None
+        elif layer is not None:
+            stage_key = stage_of_layer[layer]
+        else:
+            stage_key = "first" if FIRST_STAGE_RE.search(t.name) else "last"
+        key = (rule.index if rule else -1, len(t.shape), stage_key, e if experts else None)
+        p = resolved.get(key)
+        if p is None:
+            p = resolved[key] = _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e,
+                                         num_experts, file, doc)
+            if rule:
+                used[rule.index] = True
+        placements.append(p)
+    # intern equal placements (e.g. the same stage reached through different layers)
+    interned: dict[tuple, Placement] = {}
+    placements = [interned.setdefault((p.mesh.name, p.shard, p.fixed), p) for p in placements]
+    for r, u in zip(rules, used):
+        if not u:
+            raise ConfigError(f"rule matches no tensor of model {manifest.name!r}", file=file,
+                              key=f"placements[{r.index}].match", line=r.line)
+    name = str(doc.get("name") or Path(file).stem)
+    return Layout(file=file, name=name, manifest=manifest, ranks=ranks, meshes=meshes, pipeline=pipeline,
+                  stage_of_layer=stage_of_layer, experts=experts, rules=tuple(rules),
+                  placements=tuple(placements), source=doc.get("source"))
+
+
+def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e, num_experts, file, doc):
+    """The placement of tensor `t` under `rule`, with its pipeline stage and expert owner fixed."""
+    mesh, shard = (rule.mesh, rule.shard) if rule else (default_mesh, (None,) * len(default_mesh.dims))
+    key = _rule_key(rule)
+    line = rule.line if rule else None
+    for d, p in zip(mesh.dims, shard):
+        if p is not None and p >= len(t.shape):
+            raise ConfigError(f"shard dim {p} out of range for {t.name} with shape {list(t.shape)}",
+                              file=file, key=f"{key}.shard.{d}", line=line)
+    fixed: list = [None] * len(mesh.dims)
+    if pipeline is not None:
+        if pipeline not in mesh.dims:
+            raise ConfigError(f"tensor {t.name} is placed on mesh {mesh.name!r}, which has no pipeline dim "
+                              f"{pipeline!r}", file=file, key=key, line=line)
+        if layer is not None:
+            stage = stage_of_layer[layer]
+        elif FIRST_STAGE_RE.search(t.name):
+            stage = 0
+        else:
+            stage = mesh.shape[mesh.dims.index(pipeline)] - 1
+        i = mesh.dims.index(pipeline)
+        if shard[i] is not None:
+            raise ConfigError(f"mesh dim {pipeline!r} shards {t.name} but is the pipeline dim", file=file,
+                              key=key, line=line)
+        fixed[i] = stage
+    if e is not None and experts:
+        missing = [d for d in experts if d not in mesh.dims]
+        if missing:
+            raise ConfigError(f"expert tensor {t.name} needs an owner on expert dims {list(experts)}, but its "
+                              f"mesh {mesh.name!r} has no {missing[0]!r}", file=file, key=key,
+                              line=line if rule else line_of(doc, "experts"))
+        idx = [mesh.dims.index(d) for d in experts]
+        n = _prod(mesh.shape[i] for i in idx)
+        if num_experts % n:
+            raise ConfigError(f"{num_experts} experts do not split evenly over {n} expert coordinates",
+                              file=file, key="experts", line=line_of(doc, "experts"))
+        flat = e // (num_experts // n)
+        for i in reversed(idx):
+            if fixed[i] is not None or shard[i] is not None:
+                raise ConfigError(f"mesh dim {mesh.dims[i]!r} is both an expert dim and a shard/pipeline dim "
+                                  f"for {t.name}", file=file, key=key, line=line)
+            fixed[i] = flat % mesh.shape[i]
+            flat //= mesh.shape[i]
+    return Placement(mesh, shard, tuple(fixed))
+
+
+def load_pair(src_path: str | Path, dst_path: str | Path) -> tuple[Layout, Layout]:
+    """Load both layouts: dst ranks default to right after src; models must match; groups must not overlap."""
+    src = load_layout(src_path)
+    dst = load_layout(dst_path, first_rank=max(src.ranks) + 1)
+    overlap = sorted(set(src.ranks) & set(dst.ranks))
+    if overlap:
+        raise ConfigError(f"src and dst ranks overlap (rank {overlap[0]}{' and more' if len(overlap) > 1 else ''}); "
+                          f"src is {src.ranks[0]}-{src.ranks[-1]}", file=dst.file, key="ranks")
+    diff = src.manifest.diff(dst.manifest)
+    if diff:
+        raise ConfigError(f"src and dst models differ: {'; '.join(diff)}", file=dst.file, key="model")
+    return src, dst
+
+
+def _parse_pipeline(doc, file, meshes, all_dims, num_layers) -> tuple[str | None, tuple[int, ...]]:
+    raw = doc.get("pipeline")
+    if raw is None:
+        return None, ()
+    line = line_of(doc, "pipeline")
+    layers = None
+    if isinstance(raw, dict):
+        check_keys(raw, ("dim", "layers"), file=file, where="pipeline", required=("dim",))
+        dim, layers = raw["dim"], raw.get("layers")
+    else:
+        dim = raw
+    if not isinstance(dim, str) or dim not in all_dims:
+        raise ConfigError(f"unknown mesh dim {dim!r} (dims: {', '.join(sorted(all_dims))})", file=file,
+                          key="pipeline", line=line)
+    stages = {m.shape[m.dims.index(dim)] for m in meshes.values() if dim in m.dims}
+    if len(stages) != 1:
+        raise ConfigError(f"meshes disagree on the size of {dim!r}: {sorted(stages)}", file=file, key="pipeline",
+                          line=line)
+    n = stages.pop()
+    if layers is None:
+        base, extra = divmod(num_layers, n)
+        layers = [base + (1 if s < extra else 0) for s in range(n)]
+    elif (not isinstance(layers, list) or len(layers) != n or sum(layers) != num_layers
+          or any(not isinstance(x, int) or x < 0 for x in layers)):
+        raise ConfigError(f"expected {n} layer counts summing to the model's {num_layers} layers",
+                          file=file, key="pipeline.layers", line=line)
+    return dim, tuple(s for s, k in enumerate(layers) for _ in range(k))
+
+
+def _parse_experts(doc, file, all_dims) -> tuple[str, ...]:
+    raw = doc.get("experts")
+    if raw is None:
+        return ()
+    dims = [raw] if isinstance(raw, str) else raw
+    if not isinstance(dims, list) or not dims:
+        raise ConfigError("expected a mesh dim or a list of mesh dims", file=file, key="experts",
+                          line=line_of(doc, "experts"))
+    for d in dims:
+        if d not in all_dims:
+            raise ConfigError(f"unknown mesh dim {d!r} (dims: {', '.join(sorted(all_dims))})", file=file,
+                              key="experts", line=line_of(doc, "experts"))
+    return tuple(dims)
+
+
+def _parse_rules(doc, file, meshes) -> list[Rule]:
+    raw = doc.get("placements", [])
+    if not isinstance(raw, list):
+        raise ConfigError("expected a list of rules", file=file, key="placements", line=line_of(doc, "placements"))
+    rules = []
+    for i, r in enumerate(raw):
+        where = f"placements[{i}]"
+        check_keys(r, RULE_KEYS, file=file, where=where, required=("match",))
+        line = getattr(r, "line", None)
+        try:
+            pattern = re.compile(str(r["match"]))
+        except re.error as e:
+            raise ConfigError(f"bad regex: {e}", file=file, key=f"{where}.match", line=line) from None
+        if "mesh" in r:
+            if r["mesh"] not in meshes:
+                raise ConfigError(f"unknown mesh {r['mesh']!r} (meshes: {', '.join(meshes)})", file=file,
+                                  key=f"{where}.mesh", line=line)
+            mesh = meshes[r["mesh"]]
+        elif len(meshes) == 1:
+            mesh = next(iter(meshes.values()))
+        else:
+            raise ConfigError("several meshes are defined: name one with `mesh:`", file=file, key=where, line=line)
+        shard = [None] * len(mesh.dims)
+        spec = r.get("shard") or {}
+        if not isinstance(spec, dict):
+            raise ConfigError("expected a mapping mesh_dim: tensor_dim, like {tp: 0}", file=file,
+                              key=f"{where}.shard", line=line)
+        for d, td in spec.items():
+            if d not in mesh.dims:
+                raise ConfigError(f"unknown mesh dim {d!r} for mesh {mesh.name!r} (dims: {', '.join(mesh.dims)})",
+                                  file=file, key=f"{where}.shard.{d}", line=line)
+            if not isinstance(td, int) or isinstance(td, bool) or td < 0:
+                raise ConfigError("tensor dim must be an integer >= 0", file=file, key=f"{where}.shard.{d}",
+                                  line=line)
+            shard[mesh.dims.index(d)] = td
+        rules.append(Rule(i, pattern, mesh, tuple(shard), line))
+    return rules
+
+
+def _rule_key(rule: Rule | None) -> str:
+    return f"placements[{rule.index}]" if rule else "placements"
+
+
+def _int_match(rx: re.Pattern, name: str) -> int | None:
+    m = rx.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n

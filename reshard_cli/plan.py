@@ -1,0 +1,387 @@
+"""The refit plan: pure functions over two layouts and a topology. No torch.distributed here.
+
+Reshard path, per tensor: every unique destination box B is intersected with every unique source box A.
+Each intersection must enter each destination domain once:
+  * a source replica inside the domain sends it directly to every destination replica there (in-domain);
+  * otherwise the intersection is split among the k destination replicas of B in that domain, each piece
+    comes over the network from one source replica (phase 0) and is then forwarded to the other k-1 (phase 1).
+Source replicas share the sending by rotation: entry k of tensor t is sent by replica (t + k) mod n. The rule
+is local, so a rank can build just its own pieces and get exactly the global plan restricted to itself.
+
+Tensors with equal (shape, src placement, dst placement) form a class; the geometry of a class is computed
+once (`_Class`), and instantiating a tensor only applies the rotation.
+
+Broadcast path (baseline, as RL frameworks do it): the full tensor is gathered on one source rank (the root)
+and broadcast to every destination rank; each keeps its slice.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+from reshard_cli.errors import ConfigError
+from reshard_cli.geometry import Box
+from reshard_cli.layout import Layout, Placement
+from reshard_cli.topo import NO_TOPOLOGY, Topology
+
+MODES = ("hybrid", "reshard", "broadcast")
+# FFN and expert projections (dense, shared and routed experts; mixtral's w1/w2/w3) take the reshard path.
+DEFAULT_RESHARD_MATCH = r"(gate_proj|up_proj|down_proj|\.w[123])\.weight$"
+
+
+class Piece(NamedTuple):
+    tensor: int
+    src: int
+    dst: int
+    box: Box  # global coordinates
+    phase: int  # 0: from a source rank, 1: forwarded inside a destination domain
+
+
+class Bcast(NamedTuple):
+    tensor: int
+    root: int  # source rank that assembles the full tensor
+    gather: tuple  # ((src rank, box), ...): the other source boxes sent to the root
+    root_box: Box  # what the root already holds
+    receivers: tuple  # destination ranks that hold a non-empty part
+
+
+class _Loads(NamedTuple):
+    """Figures of one tensor class at one rotation residue, in elements (scaled by item size later)."""
+
+    wire: int
+    indomain: int
+    pieces: int
+    send: dict  # rank -> network elements sent
+    recv: dict  # rank -> network elements received
+
+
+class _Class:
+    """Geometry shared by every tensor with the same shape and placements."""
+
+    def __init__(self, shape: tuple, src_boxes: list, dst_boxes: list, dom: dict, receivers: tuple):
+        entries: list[tuple] = []  # (senders, dst, box, phase, numel)
+        min_wire = 0
+        src_doms = [{dom[s] for s in senders} for _a, senders in src_boxes]
+        for b, holders in dst_boxes:
+            parts = [(a, senders, doms, r) for (a, senders), doms in zip(src_boxes, src_doms)
+                     if (r := a.intersect(b)) is not None]
+            groups: dict[int, list[int]] = {}
+            for h in holders:
+                groups.setdefault(dom[h], []).append(h)
+            for d, group in groups.items():
+                from_outside = b.numel
+                for _a, senders, doms, r in parts:
+                    n = r.numel
+                    if d in doms:  # a source replica shares the domain: send directly, in-domain
+                        from_outside -= n
+                        local = tuple(s for s in senders if dom[s] == d)
+                        entries.extend((local, g, r, 0, n) for g in group)
+                    elif len(group) == 1:
+                        entries.append((senders, group[0], r, 0, n))
+                    else:
+                        for j, sub in enumerate(r.split(len(group))):
+                            m = sub.numel
+                            if m:
+                                entries.append((senders, group[j], sub, 0, m))
+                                entries.extend(((group[j],), g, sub, 1, m) for g in group if g != group[j])
+                min_wire += from_outside
+        self.entries = entries
+        self.min_wire = min_wire  # elements that must cross a domain boundary
+        self.n = _lcm(len(e[0]) for e in entries)  # sender choice repeats with period n in t
+        self.src_boxes = src_boxes
+        self.receivers = receivers  # the baseline broadcasts every tensor to the whole destination group
+        self.bn = _lcm(len(rs) for _a, rs in src_boxes)  # broadcast root/gather choice period
+        self.dom = dom
+        self.shape = shape
+        self._index: tuple | None = None
+        self._loads: dict = {}
+
+    # ---- reshard path
+    def pieces(self, t: int) -> list[Piece]:
+        return [Piece(t, s[(t + k) % len(s)], d, b, p) for k, (s, d, b, p, _n) in enumerate(self.entries)]
+
+    def rank_pieces(self, t: int, rank: int) -> list[Piece]:
+        by_dst, by_fwd, by_sender = self._rank_index()
+        ks = set(by_dst.get(rank, ())) | set(by_fwd.get(rank, ()))
+        for (n, i), residues in by_sender.get(rank, {}).items():
+            ks.update(residues.get((i - t) % n, ()))
+        out = []
+        for k in sorted(ks):
+            s, d, b, p, _n = self.entries[k]
+            out.append(Piece(t, s[(t + k) % len(s)], d, b, p))
+        return out
+
+    def _rank_index(self) -> tuple:
+        """Entries by rank: as receiver, as forwarder, and as candidate sender keyed by rotation residue."""
+        if self._index is None:
+            by_dst: dict[int, list[int]] = {}
+            by_fwd: dict[int, list[int]] = {}
+            by_sender: dict[int, dict] = {}
+            for k, (senders, dst, _box, phase, _n) in enumerate(self.entries):
+                by_dst.setdefault(dst, []).append(k)
+                if phase:
+                    by_fwd.setdefault(senders[0], []).append(k)
+                else:
+                    n = len(senders)
+                    for i, s in enumerate(senders):
+                        by_sender.setdefault(s, {}).setdefault((n, i), {}).setdefault(k % n, []).append(k)
+            self._index = (by_dst, by_fwd, by_sender)
+        return self._index
+
+    def reshard_loads(self, residue: int) -> _Loads:
+        key = ("reshard", residue)
+        if key not in self._loads:
+            dom = self.dom
+            wire = indomain = 0
+            send: dict[int, int] = defaultdict(int)
+            recv: dict[int, int] = defaultdict(int)
+            for k, (s, d, _b, _p, n) in enumerate(self.entries):
+                src = s[(residue + k) % len(s)]
+                if dom[src] != dom[d]:
+                    wire += n
+                    send[src] += n
+                    recv[d] += n
+                else:
+                    indomain += n
+            self._loads[key] = _Loads(wire, indomain, len(self.entries), send, recv)
+        return self._loads[key]
+
+    def ideal_send(self) -> dict:
+        """Network elements per source rank if every piece were split evenly over its replicas."""
+        if "ideal" not in self._loads:
+            dom = self.dom
+            by_senders: dict[tuple, int] = defaultdict(int)
+            for s, d, _b, _p, n in self.entries:
+                if dom[s[0]] != dom[d]:
+                    by_senders[s] += n
+            out: dict[int, float] = defaultdict(float)
+            for s, n in by_senders.items():
+                for x in s:
+                    out[x] += n / len(s)
+            self._loads["ideal"] = out
+        return self._loads["ideal"]
+
+    # ---- broadcast path
+    def bcast(self, t: int) -> Bcast:
+        if not self.src_boxes:  # a 0-element tensor: nothing to move
+            return Bcast(t, -1, (), Box.full(self.shape), ())
+        root_box, replicas = self.src_boxes[0]
+        root = replicas[t % len(replicas)]
+        dom = self.dom
+        gather = []
+        for a, rs in self.src_boxes[1:]:
+            near = [r for r in rs if dom[r] == dom[root]] or list(rs)
+            gather.append((near[t % len(near)], a))
+        return Bcast(t, root, tuple(gather), root_box, self.receivers)
+
+    def bcast_loads(self, residue: int) -> _Loads:
+        """Gather on the root, then a broadcast tree/ring that enters each receiving domain once."""
+        key = ("broadcast", residue)
+        if key not in self._loads:
+            bc = self.bcast(residue)
+            if bc.root < 0:
+                self._loads[key] = _Loads(0, 0, 0, {}, {})
+                return self._loads[key]
+            dom = self.dom
+            wire = indomain = 0
+            send: dict[int, int] = {}
+            recv: dict[int, int] = {}
+            numel = bc.root_box.numel + sum(a.numel for _, a in bc.gather)
+            for s, a in bc.gather:
+                if dom[s] != dom[bc.root]:
+                    wire += a.numel
+                    send[s] = send.get(s, 0) + a.numel
+                    recv[bc.root] = recv.get(bc.root, 0) + a.numel
+                else:
+                    indomain += a.numel
+            remote = len({dom[r] for r in bc.receivers} - {dom[bc.root]})
+            wire += numel * remote
+            indomain += numel * (len(bc.receivers) - remote)
+            if bc.receivers:
+                send[bc.root] = send.get(bc.root, 0) + numel
+            for r in bc.receivers:
+                recv[r] = recv.get(r, 0) + numel
+            self._loads[key] = _Loads(wire, indomain, len(bc.gather) + len(bc.receivers), send, recv)
+        return self._loads[key]
+
+
+def _lcm(values) -> int:
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
+@dataclass
+class RankView:
+    """What one rank does: its reshard pieces (as sender or receiver) and the broadcasts it takes part in."""
+
+    rank: int
+    pieces: list[Piece]
+    bcasts: list[Bcast]
+
+
+@dataclass
+class Plan:
+    src: Layout
+    dst: Layout
+    topology: Topology = NO_TOPOLOGY
+    mode: str = "hybrid"
+    reshard_match: str = DEFAULT_RESHARD_MATCH
+    paths: tuple = field(init=False)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r} (modes: {', '.join(MODES)})", key="--mode")
+        try:
+            rx = re.compile(self.reshard_match)
+        except re.error as e:
+            raise ConfigError(f"bad regex: {e}", key="--reshard-match") from None
+        tensors = self.src.manifest.tensors
+        if self.mode == "hybrid":
+            self.paths = tuple("reshard" if rx.search(t.name) else "broadcast" for t in tensors)
+        else:
+            self.paths = (self.mode,) * len(tensors)
+        self._classes: dict[tuple, _Class] = {}
+        self._dom = {r: self.topology.domain_of(r) for r in self.src.ranks + self.dst.ranks}
+        self._boxes: dict[tuple, list] = {}
+
+    # ------------------------------------------------------------------------------------ reshard path
+
+    def _class(self, t: int) -> _Class:
+        shape = self.src.manifest.tensors[t].shape
+        sp, dp = self.src.placements[t], self.dst.placements[t]
+        key = (shape, id(sp), id(dp))
+        c = self._classes.get(key)
+        if c is None:
+            c = self._classes[key] = _Class(shape, self._unique_boxes(shape, sp), self._unique_boxes(shape, dp),
+                                            self._dom, self.dst.ranks)
+        return c
+
+    def _unique_boxes(self, shape: tuple, p: Placement) -> list:
+        key = (shape, id(p))
+        boxes = self._boxes.get(key)
+        if boxes is None:
+            boxes = self._boxes[key] = [(b, rs) for b, rs in p.boxes(shape) if not b.empty]
+        return boxes
+
+    def tensor_pieces(self, t: int) -> list[Piece]:
+        """Every piece of tensor `t` (its reshard-path geometry, whatever its path in this mode)."""
+        return self._class(t).pieces(t)
+
+    def bcast(self, t: int) -> Bcast:
+        """The gather→broadcast of tensor `t`."""
+        return self._class(t).bcast(t)
+
+    # -------------------------------------------------------------------------------------- rank views
+
+    def rank_view(self, rank: int) -> RankView:
+        """Only what touches `rank`; equals the global plan restricted to it (no global pass over pieces)."""
+        pieces: list[Piece] = []
+        bcasts: list[Bcast] = []
+        is_dst = rank in self.dst.ranks
+        for t, (sp, dp) in enumerate(zip(self.src.placements, self.dst.placements)):
+            if self.paths[t] == "reshard":
+                if rank in sp.holder_set or rank in dp.holder_set:
+                    pieces.extend(self._class(t).rank_pieces(t, rank))
+            elif is_dst or rank in sp.holder_set:
+                bc = self.bcast(t)
+                if bc.root >= 0 and (is_dst or rank == bc.root or any(s == rank for s, _ in bc.gather)):
+                    bcasts.append(bc)
+        return RankView(rank, pieces, bcasts)
+
+    def pieces(self) -> Iterator[Piece]:
+        """All reshard-path pieces of this mode, tensor by tensor."""
+        for t, path in enumerate(self.paths):
+            if path == "reshard":
+                yield from self._class(t).pieces(t)
+
+    def bcasts(self) -> Iterator[Bcast]:
+        for t, path in enumerate(self.paths):
+            if path == "broadcast":
+                yield self.bcast(t)
+
+    # ------------------------------------------------------------------------------------- statistics
+
+    def stats(self) -> dict:
+        """The figures `reshard plan` prints; keys documented in the README are a contract.
+
+        Tensors of one class with the same rotation residue have identical loads, so each (class, residue)
+        is evaluated once and scaled by the bytes per element of its tensors.
+        """
+        t0 = time.perf_counter()
+        tensors = self.src.manifest.tensors
+        groups: dict[tuple, list] = defaultdict(lambda: [0, 0])  # (class, path, residue) -> [tensors, Σ item]
+        baseline: dict[tuple, int] = defaultdict(int)  # (class, residue) -> Σ item, for broadcast_wire_bytes
+        per_path = {p: {"tensors": 0, "bytes": 0, "wire_bytes": 0, "indomain_bytes": 0, "pieces": 0}
+                    for p in ("reshard", "broadcast")}
+        min_wire = 0
+        ideal: dict[int, float] = defaultdict(float)
+        for t, spec in enumerate(tensors):
+            item = spec.nbytes // spec.numel if spec.numel else 0
+            c = self._class(t)
+            min_wire += c.min_wire * item
+            baseline[(c, t % c.bn)] += item
+            path = self.paths[t]
+            per_path[path]["tensors"] += 1
+            per_path[path]["bytes"] += spec.nbytes
+            g = groups[(c, path, t % (c.n if path == "reshard" else c.bn))]
+            g[0] += 1
+            g[1] += item
+        send: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        for (c, path, residue), (count, items) in groups.items():
+            if path == "reshard":
+                loads = c.reshard_loads(residue)
+                for r, v in c.ideal_send().items():
+                    ideal[r] += v * items
+            else:
+                loads = c.bcast_loads(residue)
+                for r, v in loads.send.items():
+                    ideal[r] += v * items
+            st = per_path[path]
+            st["wire_bytes"] += loads.wire * items
+            st["indomain_bytes"] += loads.indomain * items
+            st["pieces"] += loads.pieces * count
+            for r, v in loads.send.items():
+                send[r] += v * items
+            for r, v in loads.recv.items():
+                recv[r] += v * items
+        bcast_wire = sum(c.bcast_loads(res).wire * items for (c, res), items in baseline.items())
+        path_bytes = {p: v["bytes"] for p, v in per_path.items()}
+        nbytes = self.src.manifest.nbytes
+        # ideal send: each network piece split evenly over the source replicas that hold it (the best any
+        # replica choice could do); ideal receive: the received bytes spread evenly over the destination group.
+        out = {
+            "mode": self.mode,
+            "src": self.src.name,
+            "dst": self.dst.name,
+            "src_ranks": self.src.size,
+            "dst_ranks": self.dst.size,
+            "topology": self.topology.describe(),
+            "model": self.src.manifest.name,
+            "params": self.src.manifest.params,
+            "tensors": len(tensors),
+            "bytes": nbytes,
+            "paths": path_bytes,
+            "reshard_share": path_bytes["reshard"] / max(nbytes, 1),
+            "wire_bytes": per_path["reshard"]["wire_bytes"] + per_path["broadcast"]["wire_bytes"],
+            "min_wire_bytes": min_wire,
+            "broadcast_wire_bytes": bcast_wire,
+            "indomain_bytes": per_path["reshard"]["indomain_bytes"] + per_path["broadcast"]["indomain_bytes"],
+            "pieces": per_path["reshard"]["pieces"] + per_path["broadcast"]["pieces"],
+            "classes": len(self._classes),
+            "max_rank_send_bytes": max(send.values(), default=0),
+            "max_rank_recv_bytes": max(recv.values(), default=0),
+            "ideal_rank_send_bytes": int(max(ideal.values(), default=0)),
+            "ideal_rank_recv_bytes": sum(recv.get(r, 0) for r in self.dst.ranks) // max(self.dst.size, 1),
+            "path_stats": per_path,
+            "rank_bytes": {r: {"send": send.get(r, 0), "recv": recv.get(r, 0)}
+                           for r in self.src.ranks + self.dst.ranks},
+        }
+        out["plan_seconds"] = time.perf_counter() - t0
+        return out

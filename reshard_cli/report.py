@@ -1,0 +1,79 @@
+"""Human tables and the JSON twin. Formatting only: figures come from plan/transport/check."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(int(n))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, indent: str = "  ") -> str:
+    """Right-aligned columns (first column left-aligned), nccl-tests style."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for j, r in enumerate(cells):
+        parts = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        lines.append(indent + ("# " if j == 0 else "  ") + "  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f} %" if whole else "-"
+
+
+def plan_text(s: dict) -> str:
+    """What `reshard plan` prints."""
+    lines = [
+        f"reshard plan: {s['model']}  {s['src']} ({s['src_ranks']} ranks) -> {s['dst']} ({s['dst_ranks']} ranks)"
+        f"  mode {s['mode']}  topology {s['topology']}",
+        f"  model         {fmt_count(s['params'])} params in {s['tensors']} tensors, {fmt_bytes(s['bytes'])}",
+        f"  paths         reshard {fmt_bytes(s['paths']['reshard'])} ({pct(s['paths']['reshard'], s['bytes'])}), "
+        f"broadcast {fmt_bytes(s['paths']['broadcast'])} ({pct(s['paths']['broadcast'], s['bytes'])})",
+        f"  network wire  {fmt_bytes(s['wire_bytes'])}   minimum {fmt_bytes(s['min_wire_bytes'])}"
+        f" ({_ratio(s['wire_bytes'], s['min_wire_bytes'])} of it)   gather->broadcast "
+        f"{fmt_bytes(s['broadcast_wire_bytes'])} ({_ratio(s['broadcast_wire_bytes'], s['wire_bytes'])} of this plan)",
+        f"  in-domain     {fmt_bytes(s['indomain_bytes'])}",
+        f"  pieces        {s['pieces']} ({s['classes']} tensor classes planned once each)",
+        f"  busiest rank  send {fmt_bytes(s['max_rank_send_bytes'])} (ideal {fmt_bytes(s['ideal_rank_send_bytes'])}, "
+        f"{_over(s['max_rank_send_bytes'], s['ideal_rank_send_bytes'])}), recv {fmt_bytes(s['max_rank_recv_bytes'])} "
+        f"(ideal {fmt_bytes(s['ideal_rank_recv_bytes'])}, {_over(s['max_rank_recv_bytes'], s['ideal_rank_recv_bytes'])})",
+        f"  planned in    {s['plan_seconds'] * 1e3:.0f} ms",
+        "",
+        table(["path", "tensors", "bytes", "wire", "in-domain", "pieces"],
+              [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),
+                v["pieces"]] for p, v in s["path_stats"].items()]),
+    ]
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def _over(actual: float, ideal: float) -> str:
+    return f"{100.0 * (actual - ideal) / ideal:+.1f} %" if ideal else "-"
+
+
+def write_json(path: str | Path, doc: dict) -> None:
+    """Write atomically (temp file + rename) so a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)

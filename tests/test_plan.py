@@ -1,0 +1,112 @@
+"""Planner: exact coverage of every destination box, rank views, minimum wire bytes, balance, baseline."""
+import itertools
+
+import pytest
+import torch
+
+from conftest import PAIRS, ROOT, write_pair
+from reshard_cli.layout import load_pair
+from reshard_cli.plan import Plan
+from reshard_cli.topo import Topology
+
+TOPOLOGIES = [Topology(), Topology(name="pairs", ranks_per_domain=2), Topology(name="all", ranks_per_domain=64)]
+
+
+def check_coverage(plan: Plan):
+    """Every dst rank receives each element of its box exactly once, from a rank that has it."""
+    man = plan.src.manifest
+    for t, spec in enumerate(man.tensors):
+        pieces = plan.tensor_pieces(t)
+        sp, dp = plan.src.placements[t], plan.dst.placements[t]
+        phase0 = {(p.dst, p.box) for p in pieces if p.phase == 0}
+        for p in pieces:
+            if p.phase == 0:
+                assert p.src in sp.holder_set
+                assert p.box.intersect(sp.box_of(spec.shape, p.src)) == p.box
+            else:  # forwarded: the forwarder received exactly this box in phase 0
+                assert (p.src, p.box) in phase0
+                assert p.src in dp.holder_set
+        for r in dp.holders:
+            box = dp.box_of(spec.shape, r)
+            count = torch.zeros(box.sizes, dtype=torch.int32)
+            for p in pieces:
+                if p.dst == r:
+                    assert p.box.intersect(box) == p.box
+                    count[p.box.local_slices(box)] += 1
+            assert bool((count == 1).all()), (spec.name, r)
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+@pytest.mark.parametrize("topo", TOPOLOGIES, ids=["none", "pairs", "one"])
+def test_pieces_cover_exactly(tmp_path, pair, topo):
+    src, dst = load_pair(*write_pair(tmp_path, pair))
+    plan = Plan(src, dst, topo, mode="reshard")
+    check_coverage(plan)
+    stats = plan.stats()
+    assert stats["wire_bytes"] == stats["min_wire_bytes"]
+    # rank view == global plan restricted to the rank
+    everything = list(plan.pieces())
+    for r in src.ranks + dst.ranks:
+        view = plan.rank_view(r).pieces
+        assert sorted(view) == sorted(p for p in everything if r in (p.src, p.dst))
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_broadcast_plan_gathers_whole_tensor(tmp_path, pair):
+    src, dst = load_pair(*write_pair(tmp_path, pair))
+    plan = Plan(src, dst, mode="broadcast")
+    for t, spec in enumerate(src.manifest.tensors):
+        bc = plan.bcast(t)
+        if spec.numel == 0:
+            continue
+        count = torch.zeros(spec.shape, dtype=torch.int32)
+        count[bc.root_box.slices()] += 1
+        for s, a in bc.gather:
+            assert s in src.placements[t].holder_set
+            count[a.slices()] += 1
+        assert bool((count == 1).all())
+        assert bc.receivers == dst.ranks
+    rank_b = {r: plan.rank_view(r).bcasts for r in src.ranks + dst.ranks}
+    for r in dst.ranks:
+        assert len(rank_b[r]) == sum(1 for s in src.manifest.tensors if s.numel)
+
+
+def test_hybrid_paths(tmp_path):
+    src, dst = load_pair(*write_pair(tmp_path, "tp2_to_tp3"))
+    plan = Plan(src, dst, mode="hybrid")
+    by_name = {s.name: p for s, p in zip(src.manifest.tensors, plan.paths)}
+    assert by_name["layers.0.mlp.experts.1.up_proj.weight"] == "reshard"
+    assert by_name["layers.0.attn.q_proj.weight"] == "broadcast"
+    stats = plan.stats()
+    assert stats["paths"]["reshard"] + stats["paths"]["broadcast"] == stats["bytes"]
+    custom = Plan(src, dst, mode="hybrid", reshard_match=r"q_proj")
+    assert custom.paths[1] == "reshard" and custom.paths[4] == "broadcast"
+
+
+def test_stats_match_pieces(tmp_path):
+    """The class-aggregated statistics equal a direct sum over the pieces."""
+    src, dst = load_pair(*write_pair(tmp_path, "pp2_ep2_to_dp2_tp2"))
+    plan = Plan(src, dst, Topology(name="pairs", ranks_per_domain=2), mode="reshard")
+    stats = plan.stats()
+    dom = plan.topology.domain_of
+    man = src.manifest.tensors
+    wire = sum(p.box.numel * man[p.tensor].nbytes // man[p.tensor].numel for p in plan.pieces()
+               if dom(p.src) != dom(p.dst))
+    assert wire == stats["wire_bytes"]
+    assert stats["pieces"] == sum(1 for _ in plan.pieces())
+
+
+@pytest.mark.parametrize("dst_name", ["vllm-tp4-dp4"])
+def test_bundled_30b_pair_balanced(dst_name):
+    src, dst = load_pair(ROOT / "layouts/qwen3-30b-a3b/megatron-tp2-ep4-pp2.yaml",
+                         ROOT / f"layouts/qwen3-30b-a3b/{dst_name}.yaml")
+    for topo in (Topology(), Topology(name="dgx", ranks_per_domain=8)):
+        s = Plan(src, dst, topo, mode="reshard").stats()
+        assert s["wire_bytes"] == s["min_wire_bytes"]
+        assert s["max_rank_send_bytes"] <= 1.05 * s["ideal_rank_send_bytes"]
+        assert s["broadcast_wire_bytes"] >= s["wire_bytes"]
+    r = dst.ranks[3]
+    plan = Plan(src, dst, mode="hybrid")
+    view = plan.rank_view(r)
+    assert view.pieces and view.bcasts
+    assert all(r in (p.src, p.dst) for p in view.pieces)

@@ -30,14 +30,16 @@ DstOpt = typer.Option(..., "--dst", help="Inference (destination) layout YAML.")
 TopoOpt = typer.Option(None, "--topology", help="Topology YAML (which ranks share an NVLink domain).")
 ModeOpt = typer.Option("hybrid", "--mode", help="reshard | broadcast | hybrid (FFN/expert weights by reshard).")
 MatchOpt = typer.Option(None, "--reshard-match", help="Regex of tensors that take the reshard path in hybrid mode.")
+ScaleOpt = typer.Option(1, "--scale", min=1, help="Grow a bundled model's FFN/expert widths N-fold (benchmarks).")
 
 
-def _build_plan(src: Path, dst: Path, topology: Optional[Path], mode: str, reshard_match: Optional[str]):
+def _build_plan(src: Path, dst: Path, topology: Optional[Path], mode: str, reshard_match: Optional[str],
+                scale: int = 1):
     from reshard_cli.layout import load_pair
     from reshard_cli.plan import DEFAULT_RESHARD_MATCH, Plan
     from reshard_cli.topo import NO_TOPOLOGY, load_topology
 
-    src_l, dst_l = load_pair(src, dst)
+    src_l, dst_l = load_pair(src, dst, scale=scale)
     topo = load_topology(topology) if topology else NO_TOPOLOGY
     return Plan(src_l, dst_l, topo, mode=mode, reshard_match=reshard_match or DEFAULT_RESHARD_MATCH)
 
@@ -51,14 +53,22 @@ def plan(
     reshard_match: Optional[str] = MatchOpt,
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures and every piece as JSON."),
     rank: Optional[int] = typer.Option(None, "--rank", help="Show only what this global rank sends and receives."),
+    scale: int = ScaleOpt,
 ):
     """Show what a refit between two layouts moves, and what it costs, before any GPU is touched."""
     import time
 
-    from reshard_cli.report import fmt_bytes, plan_text, table, write_json
+    from reshard_cli.report import fmt_bytes, plan_text, table
+    from reshard_cli.report import write_json as _write
+
+    def write_json(path, doc):  # an unwritable --json path is bad input (exit 2), not an internal error
+        try:
+            _write(path, doc)
+        except OSError as e:
+            raise ConfigError(f"cannot write {path}: {e.strerror or e}", key="--json") from None
 
     t0 = time.perf_counter()
-    p = _build_plan(src, dst, topology, mode, reshard_match)
+    p = _build_plan(src, dst, topology, mode, reshard_match, scale)
     t_layout = time.perf_counter() - t0
     if rank is not None:
         if rank not in p.src.ranks and rank not in p.dst.ranks:
@@ -105,14 +115,65 @@ def _bcast_json(p, b) -> dict:
             "receivers": list(b.receivers)}
 
 
+@app.command()
+def run(
+    src: Path = SrcOpt,
+    dst: Path = DstOpt,
+    topology: Optional[Path] = TopoOpt,
+    mode: str = ModeOpt,
+    reshard_match: Optional[str] = MatchOpt,
+    backend: str = typer.Option("auto", "--backend", help="auto | gloo | nccl (auto: nccl when every rank has a GPU)."),
+    bucket_mb: float = typer.Option(64.0, "--bucket-mb", help="Staging memory per rank for packed buckets (MiB)."),
+    source: Optional[str] = typer.Option(None, "--source", help="Override the src layout's source: synthetic | "
+                                         "safetensors:PATH | shards:PATH | dcp:PATH."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write one safetensors file per destination rank here."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory's files."),
+    iters: int = typer.Option(1, "--iters", help="Repeat the refit; the first is warm-up, the median is reported."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a stuck rank makes every rank fail."),
+    link_test: bool = typer.Option(True, "--link-test/--no-link-test", help="Measure raw send/recv first."),
+    scale: int = ScaleOpt,
+):
+    """Move the weights: starts torchrun itself, or runs as one of its workers."""
+    from reshard_cli import run as run_mod
+    from reshard_cli.report import write_json
+
+    opts = run_mod.RunOptions(src=src, dst=dst, topology=topology, mode=mode, reshard_match=reshard_match,
+                              backend=backend, bucket_mb=bucket_mb, source=source, out=out, overwrite=overwrite,
+                              iters=iters, json=json_out, quiet=quiet, timeout=timeout, link_test=link_test,
+                              scale=scale, argv=sys.argv[1:])
+    if iters < 1:
+        raise ConfigError("must be >= 1", key="--iters")
+    if bucket_mb <= 0:
+        raise ConfigError("must be > 0", key="--bucket-mb")
+    if not run_mod.under_torchrun():
+        run_mod.launch(opts)
+        return
+    doc = run_mod.worker(opts)
+    if doc is None:  # not rank 0
+        return
+    typer.echo(doc.pop("_text"))
+    failed = doc.pop("_failed", False)
+    if json_out:
+        write_json(json_out, doc)
+    if failed:
+        from reshard_cli.errors import RuntimeFailure
+
+        raise RuntimeFailure("verification failed: some destination shards are wrong (see the table above)")
+
+
 def main() -> None:
     """Console entry point: one-line errors, exit codes 2 (bad input) / 1 (runtime failure)."""
     debug = "--debug" in sys.argv[1:]
     try:
         app()
     except ReshardError as e:
-        if debug:
-            raise
+        if debug:  # the traceback, but still the error's exit code (2 = bad input)
+            import traceback
+
+            traceback.print_exc()
+            sys.exit(e.exit_code)
         typer.echo(f"reshard: error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:

@@ -142,7 +142,7 @@ class Layout:
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def load_layout(path: str | Path, *, first_rank: int = 0) -> Layout:
+def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Layout:
     """Load and validate a layout YAML. `first_rank` is where `ranks` starts when the file omits it."""
     file = str(path)
     doc = load_yaml(path)
@@ -157,7 +157,7 @@ def load_layout(path: str | Path, *, first_rank: int = 0) -> Layout:
     dtype = doc.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
         raise ConfigError("expected a dtype name like bfloat16", file=file, key="dtype", line=line_of(doc, "dtype"))
-    manifest = load_manifest(model, base_dir=Path(file).parent, dtype=dtype, file=file, key="model")
+    manifest = load_manifest(model, base_dir=Path(file).parent, dtype=dtype, file=file, key="model", scale=scale)
 
     raw_meshes = {"default": doc["mesh"]} if "mesh" in doc else doc["meshes"]
     mesh_key = "mesh" if "mesh" in doc else "meshes"
@@ -244,8 +244,10 @@ def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e,
     fixed: list = [None] * len(mesh.dims)
     if pipeline is not None:
         if pipeline not in mesh.dims:
-            raise ConfigError(f"tensor {t.name} is placed on mesh {mesh.name!r}, which has no pipeline dim "
-                              f"{pipeline!r}", file=file, key=key, line=line)
+            how = "is placed on" if rule else "matches no rule, so it falls to the first"
+            raise ConfigError(f"tensor {t.name} {how} mesh {mesh.name!r}, which has no pipeline dim "
+                              f"{pipeline!r}", file=file, key=key,
+                              line=line if rule else line_of(doc, "placements"))
         if layer is not None:
             stage = stage_of_layer[layer]
         elif FIRST_STAGE_RE.search(t.name):
@@ -260,9 +262,11 @@ def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e,
     if e is not None and experts:
         missing = [d for d in experts if d not in mesh.dims]
         if missing:
-            raise ConfigError(f"expert tensor {t.name} needs an owner on expert dims {list(experts)}, but its "
-                              f"mesh {mesh.name!r} has no {missing[0]!r}", file=file, key=key,
-                              line=line if rule else line_of(doc, "experts"))
+            how = (f"its mesh {mesh.name!r} has" if rule else
+                   f"it matches no rule, so it falls to the first mesh {mesh.name!r}, which has")
+            raise ConfigError(f"expert tensor {t.name} needs an owner on expert dims {list(experts)}, but {how} "
+                              f"no {missing[0]!r}", file=file, key=key,
+                              line=line if rule else line_of(doc, "placements"))
         idx = [mesh.dims.index(d) for d in experts]
         n = _prod(mesh.shape[i] for i in idx)
         if num_experts % n:
@@ -278,10 +282,10 @@ def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e,
     return Placement(mesh, shard, tuple(fixed))
 
 
-def load_pair(src_path: str | Path, dst_path: str | Path) -> tuple[Layout, Layout]:
+def load_pair(src_path: str | Path, dst_path: str | Path, *, scale: int = 1) -> tuple[Layout, Layout]:
     """Load both layouts: dst ranks default to right after src; models must match; groups must not overlap."""
-    src = load_layout(src_path)
-    dst = load_layout(dst_path, first_rank=max(src.ranks) + 1)
+    src = load_layout(src_path, scale=scale)
+    dst = load_layout(dst_path, first_rank=max(src.ranks) + 1, scale=scale)
     overlap = sorted(set(src.ranks) & set(dst.ranks))
     if overlap:
         raise ConfigError(f"src and dst ranks overlap (rank {overlap[0]}{' and more' if len(overlap) > 1 else ''}); "
@@ -314,8 +318,9 @@ def _parse_pipeline(doc, file, meshes, all_dims, num_layers) -> tuple[str | None
     if layers is None:
         base, extra = divmod(num_layers, n)
         layers = [base + (1 if s < extra else 0) for s in range(n)]
-    elif (not isinstance(layers, list) or len(layers) != n or sum(layers) != num_layers
-          or any(not isinstance(x, int) or x < 0 for x in layers)):
+    elif (not isinstance(layers, list) or len(layers) != n
+          or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in layers)
+          or sum(layers) != num_layers):
         raise ConfigError(f"expected {n} layer counts summing to the model's {num_layers} layers",
                           file=file, key="pipeline.layers", line=line)
     return dim, tuple(s for s, k in enumerate(layers) for _ in range(k))
@@ -330,9 +335,12 @@ def _parse_experts(doc, file, all_dims) -> tuple[str, ...]:
         raise ConfigError("expected a mesh dim or a list of mesh dims", file=file, key="experts",
                           line=line_of(doc, "experts"))
     for d in dims:
-        if d not in all_dims:
+        if not isinstance(d, str) or d not in all_dims:
             raise ConfigError(f"unknown mesh dim {d!r} (dims: {', '.join(sorted(all_dims))})", file=file,
                               key="experts", line=line_of(doc, "experts"))
+    if len(set(dims)) != len(dims):
+        raise ConfigError(f"a mesh dim is listed twice: {dims}", file=file, key="experts",
+                          line=line_of(doc, "experts"))
     return tuple(dims)
 
 
@@ -350,7 +358,7 @@ def _parse_rules(doc, file, meshes) -> list[Rule]:
         except re.error as e:
             raise ConfigError(f"bad regex: {e}", file=file, key=f"{where}.match", line=line) from None
         if "mesh" in r:
-            if r["mesh"] not in meshes:
+            if not isinstance(r["mesh"], str) or r["mesh"] not in meshes:
                 raise ConfigError(f"unknown mesh {r['mesh']!r} (meshes: {', '.join(meshes)})", file=file,
                                   key=f"{where}.mesh", line=line)
             mesh = meshes[r["mesh"]]

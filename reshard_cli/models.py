@@ -141,10 +141,12 @@ def bundled_models() -> list[str]:
 
 
 def load_manifest(spec: str, *, base_dir: Path | None = None, dtype: str | None = None,
-                  file: str | None = None, key: str = "model") -> Manifest:
+                  file: str | None = None, key: str = "model", scale: int = 1) -> Manifest:
     """A bundled model name or a path (relative to `base_dir`); `dtype` overrides every tensor's dtype.
 
-    `file` and `key` say where `spec` was written, for error messages.
+    `file` and `key` say where `spec` was written, for error messages. `scale` (bundled models only, for
+    benchmarks) multiplies the FFN and expert widths, so the model grows about `scale`-fold while every
+    layout that fits it still fits.
     """
     override = None
     if dtype is not None:
@@ -165,11 +167,20 @@ def load_manifest(spec: str, *, base_dir: Path | None = None, dtype: str | None 
                               file=file, key=key)
     if spec in bundled_models():
         # Both layouts of a pair usually name the same bundled model: build it once (manifests are immutable).
-        cache_key = (spec, override)
+        cache_key = (spec, override, scale)
         if cache_key not in _CACHE:
-            _CACHE[cache_key] = manifest_from_hf_config(_read_json(path), name=spec, dtype=override,
+            config = dict(_read_json(path))
+            name = spec
+            if scale != 1:
+                for k in ("intermediate_size", "moe_intermediate_size"):
+                    if k in config:
+                        config[k] = config[k] * scale
+                name = f"{spec}-x{scale}"
+            _CACHE[cache_key] = manifest_from_hf_config(config, name=name, dtype=override,
                                                         source=f"bundled:{spec}")
         return _CACHE[cache_key]
+    if scale != 1:
+        raise ConfigError("--scale works only with bundled models", file=file, key=key)
     manifest = _manifest_from_path(path)
     if override is not None:
         manifest = replace(manifest, tensors=tuple(replace(t, dtype=override) for t in manifest.tensors))

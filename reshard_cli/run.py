@@ -160,10 +160,10 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
             source = sources.open_source(opts.source if opts.source else src_l.source, src_l,
                                          base_dir=Path(src_l.file).parent)
             source.check(src_l, rank)
-            for t, p in enumerate(src_l.placements):
-                if rank in p.holder_set:
-                    box = p.box_of(man[t].shape, rank)
-                    src_shards[t] = Shard(box, source.read(t, box).to(device))
+            wanted = [(t, p.box_of(man[t].shape, rank)) for t, p in enumerate(src_l.placements)
+                      if rank in p.holder_set]
+            for (t, box), data in zip(wanted, source.read_many(wanted)):
+                src_shards[t] = Shard(box, data.to(device))
     except ReshardError as e:
         err = e
     except Exception as e:  # noqa: BLE001 - reported collectively below

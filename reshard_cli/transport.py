@@ -17,6 +17,7 @@ memory cost and count as staging.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ class Engine:
     bucket_bytes: int = 64 << 20
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     progress: Callable[[int], None] | None = None
-    direct_min_bytes: int = 1 << 20  # contiguous pieces at least this big skip packing
+    direct_min_bytes: int = int(os.environ.get("RESHARD_DIRECT_MIN", 1 << 20))  # contiguous pieces at least this big skip packing
     window: int = 4  # messages in flight per rank (at most two of them staged)
 
     def __post_init__(self):

@@ -174,7 +174,8 @@ def main() -> None:
 
             traceback.print_exc()
             sys.exit(e.exit_code)
-        typer.echo(f"reshard: error: {e}", err=True)
+        if not e.quiet:
+            typer.echo(f"reshard: error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         typer.echo("reshard: interrupted", err=True)

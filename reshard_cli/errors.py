@@ -10,6 +10,7 @@ class ReshardError(Exception):
     """Base class: `str(err)` is the one line the user sees."""
 
     exit_code = 1
+    quiet = False  # True when another process already printed this error (multi-rank runs)
 
 
 class ConfigError(ReshardError):

@@ -53,6 +53,16 @@ class Reported(ReshardError):
     """An error that another process prints (worker rank 0, or the worker itself for the launcher):
     exit with its code without printing it again."""
 
+    quiet = True
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class RankFailure(ReshardError):
+    """Printed by rank 0: what failed on which ranks."""
+
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
@@ -72,8 +82,12 @@ def launch(opts: RunOptions) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run as torchrun
 
+    if opts.out is not None:  # refuse a non-empty output directory before starting anything
+        from reshard_cli.sinks import prepare_out_dir
+        prepare_out_dir(opts.out, overwrite=opts.overwrite)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("LOGLEVEL", "ERROR")
+    import logging
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # workers print their own errors
     args = get_args_parser().parse_args(
         ["--standalone", "--nproc-per-node", str(world), "-m", "reshard_cli", *opts.argv])
     try:
@@ -112,7 +126,8 @@ def _all_ok(stage: str, error: BaseException | None) -> None:
         text = f"{stage} failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {m}" for r, m, _ in failed[:4])
         if len(failed) > 4:
             text += f"; ... {len(failed) - 4} more"
-        raise Reported(text, max(c for _, _, c in failed))
+        code = max(c for _, _, c in failed)
+        raise RankFailure(text, code) if dist.get_rank() == 0 else Reported(text, code)
 
 
 def worker(opts: RunOptions) -> dict | None:
@@ -194,6 +209,8 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
     # 3. transfers: reshard path, then broadcast path; each timed between barriers, max over ranks
     times: dict[str, list[float]] = {"reshard": [], "broadcast": []}
     has = {p: any(x == p for x in plan.paths) for p in times}
+    if f"die:{rank}" in os.environ.get("RESHARD_FAULT", "").split(","):
+        os._exit(17)  # fault injection (tests): this rank dies before moving anything
     try:
         for _ in range(max(opts.iters, 1)):
             for path, fn in (("reshard", engine.run_reshard), ("broadcast", engine.run_broadcast)):
@@ -205,10 +222,11 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
                 _sync(device)
                 times[path].append(time.perf_counter() - t0)
     except Exception as e:  # a peer died or the network failed: name this rank and what it saw
-        raise RuntimeFailure(f"rank {rank}: transfer failed: {e.__class__.__name__}: {str(e).splitlines()[0]}") from e
+        raise RuntimeFailure(f"rank {rank}: transfer failed: {_short(e)}") from e
     finally:
         if bar is not None:
             bar.close()
+    _inject_fault(rank, plan, dst_shards)
     seconds = {}
     for path, ts in times.items():
         if ts:
@@ -253,6 +271,41 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
     if not result["ok"]:
         report["_failed"] = True
     return report
+
+
+def _short(e: BaseException) -> str:
+    """One readable line from a backend error (gloo's carry a source path prefix and advice)."""
+    text = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically", 1)[0]
+
+
+def _inject_fault(rank: int, plan: Plan, dst_shards: dict) -> None:
+    """Test hook: RESHARD_FAULT=KIND:RANK damages one destination shard after the transfer, so tests can
+    prove that verification catches it. KIND: corrupt (one flipped byte), missing (an element left as the
+    sentinel), misplaced (two elements swapped), duplicated (one element copied over another)."""
+    for spec in os.environ.get("RESHARD_FAULT", "").split(","):
+        kind, _, target = spec.partition(":")
+        if spec and kind != "die" and target == str(rank):
+            _damage(kind, dst_shards)
+
+
+def _damage(kind: str, dst_shards: dict) -> None:
+    t = max(dst_shards, key=lambda k: dst_shards[k].data.numel())
+    x = dst_shards[t].data.reshape(-1)
+    if kind == "corrupt":
+        x.view(torch.uint8)[1] ^= 0x10
+    elif kind == "missing":
+        x[3:4].view(torch.uint8).fill_(SENTINEL_BYTE)
+    elif kind in ("misplaced", "duplicated"):
+        j = next(j for j in range(1, x.numel()) if not torch.equal(x[j:j + 1], x[0:1]))
+        a, b = x[0:1].clone(), x[j:j + 1].clone()
+        x[0:1] = b
+        if kind == "misplaced":
+            x[j:j + 1] = a
+    else:
+        raise ConfigError(f"unknown fault {kind!r}", key="RESHARD_FAULT")
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,107 @@
+"""`reshard run` end to end, as a user runs it: it starts torchrun itself (gloo, CPU processes)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import ROOT, write_pair
+
+TRAIN, INFER = ROOT / "examples/cpu/train.yaml", ROOT / "examples/cpu/infer.yaml"
+
+
+def reshard(*args, env=None, timeout=240):
+    e = dict(os.environ, CI="true")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "reshard_cli", *map(str, args)], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_run_out_json_and_feed_back(tmp_path):
+    out, js = tmp_path / "out", tmp_path / "run.json"
+    r = reshard("run", "--src", TRAIN, "--dst", INFER, "--out", out, "--json", js, "--iters", "2", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "#wrong" in r.stdout and "link limit" in r.stdout
+    doc = json.loads(js.read_text())
+    for key in ("mode", "seconds", "bytes", "gbps", "wire_bytes", "wrong", "peak_staging_bytes",
+                "link_limit_gbps", "checksums", "paths"):
+        assert key in doc
+    assert doc["wrong"] == 0 and set(doc["checksums"]) == {"2", "3"}
+    assert set(doc["paths"]) == {"reshard", "broadcast"}
+    man = json.loads((out / "manifest.json").read_text())
+    assert [r["file"] for r in man["ranks"]] == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    # the files hold exactly the slices the manifest describes
+    shard = load_file(out / "rank-00001.safetensors")
+    entry = man["ranks"][1]["tensors"]["model.layers.1.mlp.experts.3.down_proj.weight"]
+    assert list(shard["model.layers.1.mlp.experts.3.down_proj.weight"].shape) == entry["local_shape"]
+    # a non-empty output directory is refused, before any process starts
+    r = reshard("run", "--src", TRAIN, "--dst", INFER, "--out", out, "--quiet")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--overwrite" in r.stderr
+    # the output feeds back in as a source (another layout: 2 replicas), reshard mode
+    src = tmp_path / "back.yaml"
+    src.write_text(TRAIN.read_text().replace("model: tiny-moe", f"model: tiny-moe\nsource: {{kind: shards, path: {out}}}"))
+    dst = tmp_path / "dp.yaml"
+    dst.write_text("model: tiny-moe\nmesh: {dp: 2}\n")
+    r = reshard("run", "--src", src, "--dst", dst, "--mode", "reshard", "--quiet", "--no-link-test")
+    assert r.returncode == 0, r.stderr
+    assert "verified by checksums" in r.stdout and "WRONG" not in r.stdout
+
+
+@pytest.mark.parametrize("faults", ["corrupt:2,missing:3", "misplaced:2,duplicated:3"])
+def test_injected_faults_are_caught(tmp_path, faults):
+    out = tmp_path / "out"
+    r = reshard("run", "--src", TRAIN, "--dst", INFER, "--quiet", "--no-link-test", "--out", out,
+                env={"RESHARD_FAULT": faults})
+    assert r.returncode == 1
+    assert r.stdout.count("WRONG") == 2, r.stdout
+    assert "verification failed" in r.stderr
+    assert not (out / "manifest.json").exists()  # never a complete-looking output
+
+
+def test_dead_rank_fails_every_rank(tmp_path):
+    out = tmp_path / "out"
+    r = reshard("run", "--src", TRAIN, "--dst", INFER, "--quiet", "--no-link-test", "--timeout", "30",
+                "--out", out, env={"RESHARD_FAULT": "die:1"})
+    assert r.returncode == 1
+    assert "worker rank 1 died" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (out / "manifest.json").exists()
+
+
+def test_checkpoint_source_and_bad_checkpoint(tmp_path):
+    """A safetensors checkpoint in, on a small model; a wrong checkpoint stops before any transfer."""
+    src, dst = write_pair(tmp_path, "tp2_to_tp3")
+    from reshard_cli.layout import load_layout
+    from reshard_cli.sources import synthetic_values
+    from reshard_cli.geometry import Box
+
+    man = load_layout(src).manifest
+    full = {s.name: synthetic_values(t, Box.full(s.shape), s.shape, getattr(torch, s.dtype), 7) + 0
+            for t, s in enumerate(man.tensors)}
+    save_file(full, tmp_path / "ckpt.safetensors")
+    r = reshard("run", "--src", src, "--dst", dst, "--source", f"safetensors:{tmp_path / 'ckpt.safetensors'}",
+                "--quiet", "--no-link-test")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(" ok") == 3
+    del full["layers.1.attn.q_proj.weight"]
+    full["norm.weight"] = torch.zeros(7)
+    save_file(full, tmp_path / "bad.safetensors")
+    r = reshard("run", "--src", src, "--dst", dst, "--source", f"safetensors:{tmp_path / 'bad.safetensors'}",
+                "--quiet", "--no-link-test")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bad.safetensors" in lines[0]
+    assert "q_proj" in lines[0] or "norm.weight" in lines[0]
+
+
+def test_world_too_small_under_torchrun(tmp_path):
+    src, dst = write_pair(tmp_path, "tp2_to_tp3")
+    e = dict(os.environ, CI="true", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "reshard_cli", "run", "--src", str(src), "--dst", str(dst), "--quiet"],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    assert r.returncode != 0
+    assert "world size 2 is smaller than the 5 ranks" in r.stderr

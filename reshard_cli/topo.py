@@ -107,4 +107,4 @@ def load_topology(path: str | Path) -> Topology:
     try:
         return Topology(name=name, ranks_per_domain=rpd, domains=domains, links=links)
     except ConfigError as e:
-        raise ConfigError(str(e), file=file) from None
+        raise ConfigError(str(e), file=file, line=line_of(doc, "domains")) from None

@@ -32,6 +32,11 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> Mapping:
     out.line = node.start_mark.line + 1
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise ConfigError(f"a key must be a plain value, not a {type(key).__name__}",
+                              line=key_node.start_mark.line + 1) from None
         if key in out:
             raise ConfigError(f"duplicate key {key!r}", line=key_node.start_mark.line + 1)
         out[key] = loader.construct_object(value_node, deep=True)

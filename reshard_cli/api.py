@@ -1,0 +1,237 @@
+"""Live refit between running trainer and inference processes.
+
+Every process of the job (trainer, inference, idle) creates one `Refit` after `init_process_group` and calls
+it after each optimizer step:
+
+    refit = Refit(role="src", dst="infer.yaml")        # a trainer process; its layout comes from its DTensors
+    refit = Refit(role="dst", src="train.yaml", dst="infer.yaml")   # or both layouts from YAML
+    stats = refit(named_tensors)                       # src: local shards or DTensors; dst: buffers, written in place
+
+A layout left out is read from the DTensors the group's ranks pass on the first call (their device_mesh and
+placements; every rank shares its specs once). The plan, buffers and groups are built on that first call and
+reused by every later refit, so an inference engine's tensors keep their storage (its pointers stay valid).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from reshard_cli.errors import ConfigError
+from reshard_cli.geometry import Box
+from reshard_cli.layout import Layout, Mesh, Placement, load_layout
+from reshard_cli.models import Manifest, TensorSpec
+from reshard_cli.plan import DEFAULT_RESHARD_MATCH, Plan
+from reshard_cli.topo import NO_TOPOLOGY, Topology, load_topology
+from reshard_cli.transport import Engine, Shard
+from reshard_cli import verify
+
+
+@dataclass
+class RefitStats:
+    seconds: float
+    bytes_sent: int
+    checksums_ok: bool | None  # None when not verified
+
+
+class Refit:
+    def __init__(self, role: str, *, src: str | Path | Layout | None = None, dst: str | Path | Layout | None = None,
+                 topology: str | Path | Topology | None = None, mode: str = "hybrid", bucket_mb: float = 64,
+                 reshard_match: str | None = None, device: torch.device | str | None = None):
+        if role not in ("src", "dst", "idle"):
+            raise ConfigError(f"role must be 'src', 'dst' or 'idle', not {role!r}", key="role")
+        if not dist.is_initialized():
+            raise ConfigError("call torch.distributed.init_process_group before creating a Refit", key="Refit")
+        self.role = role
+        self.rank = dist.get_rank()
+        if isinstance(src, (str, Path)) and isinstance(dst, (str, Path)):
+            from reshard_cli.layout import load_pair
+
+            self._src, self._dst = load_pair(src, dst)  # dst ranks default to right after src
+        else:
+            self._src, self._dst = _as_layout(src), _as_layout(dst)
+        self.topology = load_topology(topology) if isinstance(topology, (str, Path)) else (topology or NO_TOPOLOGY)
+        self.mode, self.bucket_bytes = mode, int(bucket_mb * (1 << 20))
+        self.reshard_match = reshard_match or DEFAULT_RESHARD_MATCH
+        self.device = torch.device(device) if device is not None else None
+        self.plan: Plan | None = None
+        self.engine: Engine | None = None
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor], *, verify_checksums: bool = False) -> RefitStats:
+        if self.engine is None:
+            self._setup(tensors)
+        else:
+            self._rebind(tensors)
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.engine.run_reshard()
+        self.engine.run_broadcast()
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+        dist.barrier()
+        stats = RefitStats(time.perf_counter() - t0, self.engine.bytes_sent, None)
+        if verify_checksums:
+            stats.checksums_ok = self._verify()
+        return stats
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    def _setup(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        specs = {name: _spec_of(name, x) for name, x in tensors.items()}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.role, specs))
+        layouts = {}
+        for role, given in (("src", self._src), ("dst", self._dst)):
+            if given is not None:
+                layouts[role] = given
+                continue
+            merged: dict[str, dict] = {}
+            for r, (rr, sp) in enumerate(gathered):
+                if rr == role:
+                    for name, s in sp.items():
+                        if s is None:
+                            raise ConfigError(f"rank {r} passed a plain tensor for {name!r}, but no {role} layout "
+                                              f"was given: pass DTensors or a layout", key=role)
+                        merged.setdefault(name, s)
+            if not merged:
+                raise ConfigError(f"no {role} layout given and no rank passed DTensors as {role}", key=role)
+            other = layouts.get("src")
+            layouts[role] = _layout_from_specs(role, merged, other.manifest if other else None)
+        src, dst = layouts["src"], layouts["dst"]
+        diff = src.manifest.diff(dst.manifest)
+        if diff:
+            raise ConfigError(f"src and dst models differ: {'; '.join(diff)}", key="dst")
+        overlap = set(src.ranks) & set(dst.ranks)
+        if overlap:
+            raise ConfigError(f"src and dst ranks overlap (rank {min(overlap)})", key="ranks")
+        self.plan = Plan(src, dst, self.topology, mode=self.mode, reshard_match=self.reshard_match)
+        src_shards, dst_shards = self._shards(tensors)
+        device = self.device or next((s.data.device for s in (*src_shards.values(), *dst_shards.values())),
+                                     torch.device("cpu"))
+        self.engine = Engine(self.plan, self.rank, src_shards, dst_shards, bucket_bytes=self.bucket_bytes,
+                             device=device)
+        self.engine.setup_groups()
+
+    def _shards(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+        """Check what this rank passed against the plan and wrap it (views, no copies)."""
+        src_shards: dict[int, Shard] = {}
+        dst_shards: dict[int, Shard] = {}
+        for role, layout, out in (("src", self.plan.src, src_shards), ("dst", self.plan.dst, dst_shards)):
+            if self.rank not in layout.ranks:
+                continue
+            man = layout.manifest
+            for t, p in enumerate(layout.placements):
+                if self.rank not in p.holder_set:
+                    continue
+                spec = man.tensors[t]
+                if spec.name not in tensors:
+                    raise ConfigError(f"rank {self.rank} holds {spec.name!r} in the {role} layout but did not pass it",
+                                      key=spec.name)
+                local = _local(tensors[spec.name])
+                box = p.box_of(spec.shape, self.rank)
+                if tuple(local.shape) != box.sizes or str(local.dtype).removeprefix("torch.") != spec.dtype:
+                    raise ConfigError(f"rank {self.rank}: {spec.name} is {list(local.shape)} {local.dtype}, the "
+                                      f"{role} layout expects {list(box.sizes)} {spec.dtype}", key=spec.name)
+                if role == "dst" and not local.is_contiguous():
+                    raise ConfigError(f"rank {self.rank}: destination buffer {spec.name} must be contiguous",
+                                      key=spec.name)
+                out[t] = Shard(box, local)
+        return src_shards, dst_shards
+
+    def _rebind(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Later refits: same plan; pick up the (possibly new) source tensors, keep destination storage."""
+        src_shards, dst_shards = self._shards(tensors)
+        for t, sh in dst_shards.items():
+            old = self.engine.dst_shards[t].data
+            if sh.data.data_ptr() != old.data_ptr():
+                raise ConfigError(f"rank {self.rank}: destination buffer {self.plan.src.manifest.tensors[t].name} "
+                                  f"changed storage since the first refit", key="tensors")
+        self.engine.src_shards = src_shards
+
+    def _verify(self) -> bool:
+        """Checksums: each destination shard against the sources' checksum of the same box (collective)."""
+        plan, eng = self.plan, self.engine
+        man = plan.src.manifest.tensors
+        contrib: dict = {}
+        for t, sh in eng.src_shards.items():
+            for a, replicas in plan._unique_boxes(man[t].shape, plan.src.placements[t]):
+                if replicas[0] != self.rank:
+                    continue
+                for b, _ in plan._unique_boxes(man[t].shape, plan.dst.placements[t]):
+                    r = a.intersect(b)
+                    if r is not None:
+                        key = (t, b.offsets)
+                        contrib[key] = verify.combine([contrib.get(key, 0), verify.checksum(
+                            sh.data[r.local_slices(sh.box)], r, man[t].shape)])
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, contrib)
+        expected: dict = {}
+        for c in gathered:
+            for k, v in c.items():
+                expected[k] = verify.combine([expected.get(k, 0), v])
+        ok = all(expected.get((t, sh.box.offsets), 0) == verify.checksum(sh.data, sh.box, man[t].shape)
+                 for t, sh in eng.dst_shards.items() if sh.box.numel)
+        flag = torch.tensor([0 if ok else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) == 0
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _as_layout(x) -> Layout | None:
+    if x is None or isinstance(x, Layout):
+        return x
+    return load_layout(x)
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    x = x.to_local() if isinstance(x, DTensor) else x
+    return x.detach()  # same storage; refit never records autograd history
+
+
+def _spec_of(name: str, x: torch.Tensor) -> dict | None:
+    """What a DTensor says about its layout (None for a plain tensor)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard as DShard
+
+    if not isinstance(x, DTensor):
+        return None
+    shard = []
+    for p in x.placements:
+        if isinstance(p, DShard) and type(p) is DShard:
+            shard.append(p.dim)
+        elif isinstance(p, Replicate):
+            shard.append(None)
+        else:  # Partial sums and _StridedShard index lists are not boxes
+            raise ConfigError(f"{name}: placement {p} is not supported (Shard(d) and Replicate are)", key=name)
+    mesh = x.device_mesh
+    return {"shape": tuple(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
+            "mesh_shape": tuple(mesh.mesh.shape), "mesh_ranks": tuple(mesh.mesh.flatten().tolist()),
+            "dims": tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim))), "shard": tuple(shard)}
+
+
+def _layout_from_specs(role: str, specs: dict[str, dict], order: Manifest | None) -> Layout:
+    names = [t.name for t in order.tensors if t.name in specs] if order else sorted(specs)
+    names += sorted(set(specs) - set(names))
+    manifest = Manifest(name=f"live-{role}", tensors=tuple(
+        TensorSpec(n, tuple(specs[n]["shape"]), specs[n]["dtype"]) for n in names), source="live", config={})
+    meshes: dict[tuple, Mesh] = {}
+    placements = []
+    for n in names:
+        s = specs[n]
+        key = (s["dims"], s["mesh_shape"], s["mesh_ranks"])
+        if key not in meshes:
+            meshes[key] = Mesh(f"mesh{len(meshes)}", s["dims"], s["mesh_shape"], s["mesh_ranks"])
+        placements.append(Placement(meshes[key], s["shard"], (None,) * len(s["dims"])))
+    interned: dict = {}
+    placements = [interned.setdefault((p.mesh.name, p.shard), p) for p in placements]
+    ranks = tuple(sorted({r for m in meshes.values() for r in m.ranks}))
+    return Layout(file=f"<live {role}>", name=f"live-{role}", manifest=manifest, ranks=ranks,
+                  meshes={m.name: m for m in meshes.values()}, pipeline=None, stage_of_layer=(), experts=(),
+                  rules=(), placements=tuple(placements))

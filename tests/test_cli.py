@@ -1,0 +1,228 @@
+"""`reshard` as a user runs it: `python -m reshard_cli ...` in subprocesses (the same `main()` as the console
+script `reshard = reshard_cli.cli:main`), checking stdout, stderr and exit codes. More error cases call that
+`main()` in-process with a patched argv, which skips a Python start-up per case."""
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import ROOT
+
+TRAIN = "examples/cpu/train.yaml"
+INFER = "examples/cpu/infer.yaml"
+DGX = "layouts/topologies/dgx-h100.yaml"
+CONTRACT = ("params", "tensors", "bytes", "paths", "wire_bytes", "min_wire_bytes", "broadcast_wire_bytes",
+            "indomain_bytes", "max_rank_send_bytes", "max_rank_recv_bytes", "plan_seconds", "pieces")
+
+
+def reshard(*args):
+    env = dict(os.environ, CI="true", COLUMNS="120")
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-m", "reshard_cli", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def ok(proc):
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    return proc
+
+
+def call_main(monkeypatch, capsys, *args):
+    """The console script's function itself (`reshard = reshard_cli.cli:main`), in this process."""
+    from reshard_cli.cli import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["reshard", *map(str, args)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    out = capsys.readouterr()
+    code = info.value.code if isinstance(info.value.code, int) else (0 if info.value.code is None else 1)
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    text = (ROOT / TRAIN).read_text()
+    assert "\nplacements:\n" in text
+    (d / "train-typo.yaml").write_text(text.replace("\nplacements:\n", "\nplacments:\n"))
+    (d / "infer-bad.yaml").write_text((ROOT / INFER).read_text().replace("mesh: {tp: 2}", "mesh: {tp: 3}"))
+    (d / "topo.yaml").write_text("ranks_per_domain: 8\nlinks: {network_gbps: fast}\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def runs(files):
+    """The commands run as a user runs them, once each and concurrently (each is a Python start-up)."""
+    d, base = files, ("plan", "--src", TRAIN, "--dst", INFER)
+    cases = {
+        "plan": (*base, "--json", d / "plan.json"),
+        "reshard": (*base, "--mode", "reshard", "--json", d / "reshard.json"),
+        "topology": (*base, "--topology", DGX, "--json", d / "topo.json"),
+        "rank": (*base, "--rank", 2, "--json", d / "rank.json"),
+        "typo": ("plan", "--src", d / "train-typo.yaml", "--dst", INFER),
+        "typo_debug": ("--debug", "plan", "--src", d / "train-typo.yaml", "--dst", INFER),
+        "missing_src": ("plan", "--src", d / "nope.yaml", "--dst", INFER),
+        "mode_bogus": (*base, "--mode", "bogus"),
+        "help": ("--help",),
+    }
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(reshard, *args) for name, args in cases.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def one_error_line(proc, rc=2):
+    """Exactly one line on stderr, `reshard: error: ...`, the given exit code, no traceback."""
+    assert proc.returncode == rc, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip("\n").splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("reshard: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    return lines[0]
+
+
+def test_plan_prints_model_line_and_table(runs, files):
+    proc = ok(runs["plan"])
+    text = proc.stdout
+    assert text.startswith("reshard plan: tiny-moe  demo-train-tp2-ep2 (2 ranks) -> demo-infer-tp2 (2 ranks)")
+    assert "mode hybrid" in text
+    model_line = next(line for line in text.splitlines() if line.strip().startswith("model "))
+    assert "params in 113 tensors" in model_line
+    assert "network wire" in text and "busiest rank" in text
+    header = next(line for line in text.splitlines() if line.strip().startswith("#"))
+    assert header.split()[1:] == ["path", "tensors", "bytes", "wire", "in-domain", "pieces"]
+    assert any(line.split()[:1] == ["reshard"] for line in text.splitlines())
+    assert any(line.split()[:1] == ["broadcast"] for line in text.splitlines())
+    assert f"wrote {files / 'plan.json'}" in text
+    assert proc.stderr == ""
+
+
+def test_plan_json_contract(runs, files):
+    ok(runs["plan"])
+    doc = json.loads((files / "plan.json").read_text())
+    assert set(CONTRACT) <= set(doc)
+    assert set(doc["paths"]) >= {"reshard", "broadcast"}
+    assert doc["tensors"] == 113 and doc["params"] > 0
+    assert doc["paths"]["reshard"] + doc["paths"]["broadcast"] == doc["bytes"]
+    assert isinstance(doc["pieces"], list) and doc["pieces"]
+    piece = doc["pieces"][0]
+    assert set(piece) >= {"tensor", "src", "dst", "offsets", "sizes", "phase"}
+    assert piece["src"] in (0, 1) and piece["dst"] in (2, 3)
+    assert doc["wire_bytes"] >= doc["min_wire_bytes"] > 0
+    assert doc["broadcast_wire_bytes"] > 0 and doc["plan_seconds"] >= 0
+    assert doc["max_rank_send_bytes"] > 0 and doc["max_rank_recv_bytes"] > 0
+    assert isinstance(doc["broadcasts"], list) and doc["broadcasts"]
+
+
+def test_reshard_mode_moves_the_minimum(runs, files):
+    proc = ok(runs["reshard"])
+    doc = json.loads((files / "reshard.json").read_text())
+    assert doc["wire_bytes"] == doc["min_wire_bytes"] > 0
+    assert doc["paths"]["broadcast"] == 0 and doc["paths"]["reshard"] == doc["bytes"]
+    assert "mode reshard" in proc.stdout
+
+
+def test_topology(runs, files):
+    proc = ok(runs["topology"])
+    assert "topology dgx-h100: 8 ranks per domain" in proc.stdout
+    doc = json.loads((files / "topo.json").read_text())
+    # all 4 ranks share one NVLink domain: nothing crosses the network
+    assert doc["wire_bytes"] == doc["min_wire_bytes"] == 0 and doc["indomain_bytes"] > 0
+
+
+def test_rank_view(runs, files):
+    lines = ok(runs["rank"]).stdout.splitlines()
+    assert lines[0].startswith("rank 2: ") and "pieces" in lines[0] and "broadcasts" in lines[0]
+    assert lines[1].split()[1:] == ["tensor", "src", "dst", "box", "phase", "bytes"]
+    doc = json.loads((files / "rank.json").read_text())
+    assert doc["rank"] == 2 and doc["pieces"]
+    assert all(2 in (p["src"], p["dst"]) for p in doc["pieces"])
+    assert f"{len(doc['pieces'])} pieces" in lines[0]
+    rows = [line.split() for line in lines[2:]]
+    assert rows and all(r[2] == "2" for r in rows)  # rank 2 only receives
+    assert rows[0][0] == doc["pieces"][0]["tensor"]
+
+
+def test_rank_outside_both_groups(monkeypatch, capsys):
+    line = one_error_line(call_main(monkeypatch, capsys, "plan", "--src", TRAIN, "--dst", INFER, "--rank", 9))
+    assert "--rank" in line and "rank 9" in line
+
+
+def test_bad_layout_is_one_line(runs, files):
+    bad = files / "train-typo.yaml"
+    line = bad.read_text().splitlines().index("placments:") + 1
+    err = one_error_line(runs["typo"])
+    assert err == f"reshard: error: {bad}:{line}: placments: unknown key (did you mean 'placements'?)"
+
+
+def test_debug_shows_the_traceback(runs):
+    proc = runs["typo_debug"]
+    assert proc.returncode == 2
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "ConfigError" in proc.stderr and "placments" in proc.stderr
+
+
+def test_bad_dst_layout_names_its_file(monkeypatch, capsys, files):
+    line = one_error_line(call_main(monkeypatch, capsys, "plan", "--src", TRAIN, "--dst", files / "infer-bad.yaml"))
+    assert f"{files / 'infer-bad.yaml'}:" in line and "mesh: mesh product 3 != number of ranks 2" in line
+
+
+def test_missing_file(runs, files):
+    missing = files / "nope.yaml"
+    assert one_error_line(runs["missing_src"]) == f"reshard: error: {missing}: file not found"
+
+
+def test_missing_topology_file(monkeypatch, capsys, files):
+    missing = files / "nope.yaml"
+    proc = call_main(monkeypatch, capsys, "plan", "--src", TRAIN, "--dst", INFER, "--topology", missing)
+    assert one_error_line(proc) == f"reshard: error: {missing}: file not found"
+
+
+def test_bad_topology(monkeypatch, capsys, files):
+    line = one_error_line(call_main(monkeypatch, capsys, "plan", "--src", TRAIN, "--dst", INFER,
+                                    "--topology", files / "topo.yaml"))
+    assert f"{files / 'topo.yaml'}:2: links.network_gbps:" in line
+
+
+def test_unknown_mode(runs):
+    line = one_error_line(runs["mode_bogus"])
+    assert "--mode" in line and "bogus" in line
+
+
+def test_bad_reshard_match(monkeypatch, capsys):
+    proc = call_main(monkeypatch, capsys, "plan", "--src", TRAIN, "--dst", INFER, "--reshard-match", "(oops")
+    assert "--reshard-match" in one_error_line(proc)
+
+
+def test_unwritable_json_is_bad_input(monkeypatch, capsys, files):
+    out = files / "no-such-dir" / "plan.json"
+    line = one_error_line(call_main(monkeypatch, capsys, "plan", "--src", TRAIN, "--dst", INFER, "--json", out))
+    assert "--json" in line and str(files / "no-such-dir" / "plan.json") in line
+
+
+def test_missing_option_is_a_usage_error(monkeypatch, capsys):
+    proc = call_main(monkeypatch, capsys, "plan", "--src", TRAIN)
+    assert proc.returncode == 2 and "--dst" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help(runs):
+    proc = ok(runs["help"])
+    assert "Usage" in proc.stdout and "plan" in proc.stdout and "--debug" in proc.stdout
+
+
+def test_plan_help(monkeypatch, capsys):
+    proc = ok(call_main(monkeypatch, capsys, "plan", "--help"))
+    for opt in ("--src", "--dst", "--topology", "--mode", "--json", "--rank"):
+        assert opt in proc.stdout
+
+
+def test_console_entry_point_is_main():
+    """`python -m reshard_cli` runs the same function the `reshard` console script names."""
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["reshard"] == "reshard_cli.cli:main"
+    assert "from reshard_cli.cli import main" in (ROOT / "reshard_cli" / "__main__.py").read_text()

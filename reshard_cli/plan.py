@@ -60,77 +60,117 @@ class _Loads(NamedTuple):
 
 
 class _Class:
-    """Geometry shared by every tensor with the same shape and placements."""
+    """Geometry shared by every tensor with the same shape and placements.
 
-    def __init__(self, shape: tuple, src_boxes: list, dst_boxes: list, dom: dict, receivers: tuple):
-        entries: list[tuple] = []  # (senders, dst, box, phase, numel)
-        min_wire = 0
-        src_doms = [{dom[s] for s in senders} for _a, senders in src_boxes]
-        for b, holders in dst_boxes:
-            parts = [(a, senders, doms, r) for (a, senders), doms in zip(src_boxes, src_doms)
-                     if (r := a.intersect(b)) is not None]
-            groups: dict[int, list[int]] = {}
-            for h in holders:
-                groups.setdefault(dom[h], []).append(h)
-            for d, group in groups.items():
-                from_outside = b.numel
-                for _a, senders, doms, r in parts:
-                    n = r.numel
-                    if d in doms:  # a source replica shares the domain: send directly, in-domain
-                        from_outside -= n
-                        local = tuple(s for s in senders if dom[s] == d)
-                        entries.extend((local, g, r, 0, n) for g in group)
-                    elif len(group) == 1:
-                        entries.append((senders, group[0], r, 0, n))
-                    else:
-                        for j, sub in enumerate(r.split(len(group))):
-                            m = sub.numel
-                            if m:
-                                entries.append((senders, group[j], sub, 0, m))
-                                entries.extend(((group[j],), g, sub, 1, m) for g in group if g != group[j])
-                min_wire += from_outside
-        self.entries = entries
-        self.min_wire = min_wire  # elements that must cross a domain boundary
-        self.n = _lcm(len(e[0]) for e in entries)  # sender choice repeats with period n in t
+    Entries are (senders, dst, box, phase, numel, key): the piece goes to `dst` from
+    senders[(t + key) % len(senders)]. `key` depends only on where the entry sits (source box a, destination
+    box b, domain group g, sub-piece j), so one destination group's entries can be built alone.
+    """
+
+    def __init__(self, shape: tuple, src_boxes: list, dst_boxes: list, dom: dict, receivers: tuple,
+                 dst_placement: Placement):
+        self.shape = shape
+        self.dst_placement = dst_placement
         self.src_boxes = src_boxes
+        self.dst_boxes = dst_boxes
+        self.dom = dom
         self.receivers = receivers  # the baseline broadcasts every tensor to the whole destination group
         self.bn = _lcm(len(rs) for _a, rs in src_boxes)  # broadcast root/gather choice period
-        self.dom = dom
-        self.shape = shape
-        self._index: tuple | None = None
+        self._src_doms = [{dom[s] for s in senders} for _a, senders in src_boxes]
+        self._entries: list | None = None
+        self._where: dict | None = None
         self._loads: dict = {}
+
+    def _groups(self, holders: tuple) -> list[tuple[int, list[int]]]:
+        groups: dict[int, list[int]] = {}
+        for h in holders:
+            groups.setdefault(self.dom[h], []).append(h)
+        return list(groups.items())
+
+    def _group_entries(self, bi: int, b: Box, gi: int, d: int, group: list) -> tuple[list, int]:
+        """Entries of one destination box inside one domain, and the elements that must enter the domain."""
+        entries = []
+        from_outside = b.numel
+        for ai, ((a, senders), doms) in enumerate(zip(self.src_boxes, self._src_doms)):
+            r = a.intersect(b)
+            if r is None:
+                continue
+            n = r.numel
+            key = ai + bi + gi
+            if d in doms:  # a source replica shares the domain: send directly, in-domain
+                from_outside -= n
+                local = tuple(s for s in senders if self.dom[s] == d)
+                entries.extend((local, g, r, 0, n, key + i) for i, g in enumerate(group))
+            elif len(group) == 1:
+                entries.append((senders, group[0], r, 0, n, key))
+            else:  # split among the domain's replicas, each forwards its part to the others
+                for j, sub in enumerate(r.split(len(group))):
+                    m = sub.numel
+                    if m:
+                        entries.append((senders, group[j], sub, 0, m, key + j))
+                        entries.extend(((group[j],), g, sub, 1, m, 0) for g in group if g != group[j])
+        return entries, from_outside
+
+    @property
+    def entries(self) -> list:
+        if self._entries is None:
+            entries: list[tuple] = []
+            min_wire = 0
+            for bi, (b, holders) in enumerate(self.dst_boxes):
+                for gi, (d, group) in enumerate(self._groups(holders)):
+                    e, outside = self._group_entries(bi, b, gi, d, group)
+                    entries.extend(e)
+                    min_wire += outside
+            self._entries = entries
+            self._min_wire = min_wire
+            self._n = _lcm(len(e[0]) for e in entries)
+        return self._entries
+
+    @property
+    def min_wire(self) -> int:
+        """Elements that must cross a domain boundary."""
+        self.entries  # noqa: B018 - builds them
+        return self._min_wire
+
+    @property
+    def n(self) -> int:
+        """The sender choice repeats with period n in t."""
+        self.entries  # noqa: B018
+        return self._n
 
     # ---- reshard path
     def pieces(self, t: int) -> list[Piece]:
-        return [Piece(t, s[(t + k) % len(s)], d, b, p) for k, (s, d, b, p, _n) in enumerate(self.entries)]
+        return [Piece(t, s[(t + k) % len(s)], d, b, p) for s, d, b, p, _n, k in self.entries]
+
+    def dst_pieces(self, t: int, rank: int) -> list[Piece]:
+        """The pieces a destination rank receives or forwards, built from its own domain group only."""
+        mine = self._where.get(rank) if self._where is not None else None
+        if mine is None:
+            mine = self._dst_entries(rank)
+        return [Piece(t, s[(t + k) % len(s)], d, b, p) for s, d, b, p, _n, k in mine]
+
+    def _dst_entries(self, rank: int) -> list:
+        if self._where is None:
+            self._where = {}
+        box = self.dst_placement.box_of(self.shape, rank)
+        bi = next((i for i, (b, _h) in enumerate(self.dst_boxes) if b == box), None)
+        mine: list = []
+        if bi is not None:  # None: an empty box, nothing to receive
+            d = self.dom[rank]
+            gi, group = next((gi, g) for gi, (dd, g) in enumerate(self._groups(self.dst_boxes[bi][1])) if dd == d)
+            entries, _ = self._group_entries(bi, box, gi, d, group)
+            mine = [e for e in entries if e[1] == rank or (e[3] == 1 and e[0][0] == rank)]
+        self._where[rank] = mine
+        return mine
 
     def rank_pieces(self, t: int, rank: int) -> list[Piece]:
-        by_dst, by_fwd, by_sender = self._rank_index()
-        ks = set(by_dst.get(rank, ())) | set(by_fwd.get(rank, ()))
-        for (n, i), residues in by_sender.get(rank, {}).items():
-            ks.update(residues.get((i - t) % n, ()))
+        """Pieces of tensor t that `rank` sends or receives (a scan of the class's entries)."""
         out = []
-        for k in sorted(ks):
-            s, d, b, p, _n = self.entries[k]
-            out.append(Piece(t, s[(t + k) % len(s)], d, b, p))
+        for s, d, b, p, _n, k in self.entries:
+            src = s[(t + k) % len(s)]
+            if src == rank or d == rank:
+                out.append(Piece(t, src, d, b, p))
         return out
-
-    def _rank_index(self) -> tuple:
-        """Entries by rank: as receiver, as forwarder, and as candidate sender keyed by rotation residue."""
-        if self._index is None:
-            by_dst: dict[int, list[int]] = {}
-            by_fwd: dict[int, list[int]] = {}
-            by_sender: dict[int, dict] = {}
-            for k, (senders, dst, _box, phase, _n) in enumerate(self.entries):
-                by_dst.setdefault(dst, []).append(k)
-                if phase:
-                    by_fwd.setdefault(senders[0], []).append(k)
-                else:
-                    n = len(senders)
-                    for i, s in enumerate(senders):
-                        by_sender.setdefault(s, {}).setdefault((n, i), {}).setdefault(k % n, []).append(k)
-            self._index = (by_dst, by_fwd, by_sender)
-        return self._index
 
     def reshard_loads(self, residue: int) -> _Loads:
         key = ("reshard", residue)
@@ -139,7 +179,7 @@ class _Class:
             wire = indomain = 0
             send: dict[int, int] = defaultdict(int)
             recv: dict[int, int] = defaultdict(int)
-            for k, (s, d, _b, _p, n) in enumerate(self.entries):
+            for s, d, _b, _p, n, k in self.entries:
                 src = s[(residue + k) % len(s)]
                 if dom[src] != dom[d]:
                     wire += n
@@ -155,7 +195,7 @@ class _Class:
         if "ideal" not in self._loads:
             dom = self.dom
             by_senders: dict[tuple, int] = defaultdict(int)
-            for s, d, _b, _p, n in self.entries:
+            for s, d, _b, _p, n, _k in self.entries:
                 if dom[s[0]] != dom[d]:
                     by_senders[s] += n
             out: dict[int, float] = defaultdict(float)
@@ -259,7 +299,7 @@ class Plan:
         c = self._classes.get(key)
         if c is None:
             c = self._classes[key] = _Class(shape, self._unique_boxes(shape, sp), self._unique_boxes(shape, dp),
-                                            self._dom, self.dst.ranks)
+                                            self._dom, self.dst.ranks, dp)
         return c
 
     def _unique_boxes(self, shape: tuple, p: Placement) -> list:
@@ -286,8 +326,10 @@ class Plan:
         is_dst = rank in self.dst.ranks
         for t, (sp, dp) in enumerate(zip(self.src.placements, self.dst.placements)):
             if self.paths[t] == "reshard":
-                if rank in sp.holder_set or rank in dp.holder_set:
+                if rank in sp.holder_set:
                     pieces.extend(self._class(t).rank_pieces(t, rank))
+                elif rank in dp.holder_set:
+                    pieces.extend(self._class(t).dst_pieces(t, rank))
             elif is_dst or rank in sp.holder_set:
                 bc = self.bcast(t)
                 if bc.root >= 0 and (is_dst or rank == bc.root or any(s == rank for s, _ in bc.gather)):

@@ -57,6 +57,7 @@ class _Loads(NamedTuple):
     pieces: int
     send: dict  # rank -> network elements sent
     recv: dict  # rank -> network elements received
+    recv_all: int = 0  # elements every destination rank receives (broadcast)
 
 
 class _Class:
@@ -68,8 +69,9 @@ class _Class:
     """
 
     def __init__(self, shape: tuple, src_boxes: list, dst_boxes: list, dom: dict, receivers: tuple,
-                 dst_placement: Placement):
+                 dst_placement: Placement, recv_doms: frozenset):
         self.shape = shape
+        self.recv_doms = recv_doms  # domains of the destination group
         self.dst_placement = dst_placement
         self.src_boxes = src_boxes
         self.dst_boxes = dst_boxes
@@ -172,22 +174,27 @@ class _Class:
                 out.append(Piece(t, src, d, b, p))
         return out
 
-    def reshard_loads(self, residue: int) -> _Loads:
+    def reshard_loads(self, residue: int | None) -> _Loads:
+        """Loads of the entries whose sender depends on the rotation (at `residue`), or with residue None
+        of the entries with a single possible sender (the same for every tensor of the class)."""
         key = ("reshard", residue)
         if key not in self._loads:
             dom = self.dom
-            wire = indomain = 0
+            wire = indomain = pieces = 0
             send: dict[int, int] = defaultdict(int)
             recv: dict[int, int] = defaultdict(int)
             for s, d, _b, _p, n, k in self.entries:
-                src = s[(residue + k) % len(s)]
+                if (len(s) == 1) != (residue is None):
+                    continue
+                pieces += 1
+                src = s[0] if residue is None else s[(residue + k) % len(s)]
                 if dom[src] != dom[d]:
                     wire += n
                     send[src] += n
                     recv[d] += n
                 else:
                     indomain += n
-            self._loads[key] = _Loads(wire, indomain, len(self.entries), send, recv)
+            self._loads[key] = _Loads(wire, indomain, pieces, send, recv)
         return self._loads[key]
 
     def ideal_send(self) -> dict:
@@ -238,14 +245,13 @@ class _Class:
                     recv[bc.root] = recv.get(bc.root, 0) + a.numel
                 else:
                     indomain += a.numel
-            remote = len({dom[r] for r in bc.receivers} - {dom[bc.root]})
+            remote = len(self.recv_doms) - (dom[bc.root] in self.recv_doms)
             wire += numel * remote
             indomain += numel * (len(bc.receivers) - remote)
             if bc.receivers:
                 send[bc.root] = send.get(bc.root, 0) + numel
-            for r in bc.receivers:
-                recv[r] = recv.get(r, 0) + numel
-            self._loads[key] = _Loads(wire, indomain, len(bc.gather) + len(bc.receivers), send, recv)
+            self._loads[key] = _Loads(wire, indomain, len(bc.gather) + len(bc.receivers), send, recv,
+                                      numel if bc.receivers else 0)
         return self._loads[key]
 
 
@@ -288,6 +294,7 @@ class Plan:
             self.paths = (self.mode,) * len(tensors)
         self._classes: dict[tuple, _Class] = {}
         self._dom = {r: self.topology.domain_of(r) for r in self.src.ranks + self.dst.ranks}
+        self._recv_doms = frozenset(self._dom[r] for r in self.dst.ranks)
         self._boxes: dict[tuple, list] = {}
 
     # ------------------------------------------------------------------------------------ reshard path
@@ -299,7 +306,7 @@ class Plan:
         c = self._classes.get(key)
         if c is None:
             c = self._classes[key] = _Class(shape, self._unique_boxes(shape, sp), self._unique_boxes(shape, dp),
-                                            self._dom, self.dst.ranks, dp)
+                                            self._dom, self.dst.ranks, dp, self._recv_doms)
         return c
 
     def _unique_boxes(self, shape: tuple, p: Placement) -> list:
@@ -376,15 +383,11 @@ class Plan:
             g[1] += item
         send: dict[int, int] = defaultdict(int)
         recv: dict[int, int] = defaultdict(int)
-        for (c, path, residue), (count, items) in groups.items():
-            if path == "reshard":
-                loads = c.reshard_loads(residue)
-                for r, v in c.ideal_send().items():
-                    ideal[r] += v * items
-            else:
-                loads = c.bcast_loads(residue)
-                for r, v in loads.send.items():
-                    ideal[r] += v * items
+        recv_all = 0
+        per_class: dict[_Class, list] = defaultdict(lambda: [0, 0])  # reshard: Σ over residues
+
+        def add(path: str, loads: _Loads, count: int, items: int) -> None:
+            nonlocal recv_all
             st = per_path[path]
             st["wire_bytes"] += loads.wire * items
             st["indomain_bytes"] += loads.indomain * items
@@ -393,6 +396,26 @@ class Plan:
                 send[r] += v * items
             for r, v in loads.recv.items():
                 recv[r] += v * items
+            recv_all += loads.recv_all * items
+
+        for (c, path, residue), (count, items) in groups.items():
+            if path == "reshard":
+                add(path, c.reshard_loads(residue), count, items)
+                pc = per_class[c]
+                pc[0] += count
+                pc[1] += items
+            else:
+                loads = c.bcast_loads(residue)
+                add(path, loads, count, items)
+                for r, v in loads.send.items():
+                    ideal[r] += v * items
+        for c, (count, items) in per_class.items():  # entries with one possible sender: once per class
+            add("reshard", c.reshard_loads(None), count, items)
+            for r, v in c.ideal_send().items():
+                ideal[r] += v * items
+        if recv_all:
+            for r in self.dst.ranks:
+                recv[r] += recv_all
         bcast_wire = sum(c.bcast_loads(res).wire * items for (c, res), items in baseline.items())
         path_bytes = {p: v["bytes"] for p, v in per_path.items()}
         nbytes = self.src.manifest.nbytes

@@ -69,7 +69,7 @@ class Engine:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     progress: Callable[[int], None] | None = None
     direct_min_bytes: int = int(os.environ.get("RESHARD_DIRECT_MIN", 1 << 20))  # contiguous pieces at least this big skip packing
-    window: int = 4  # messages in flight per rank (at most two of them staged)
+    window: int = 32  # messages in flight per rank (at most two of them staged)
 
     def __post_init__(self):
         man = self.plan.src.manifest.tensors

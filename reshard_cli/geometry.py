@@ -58,13 +58,13 @@ class Box:
         return tuple(a - b for a, b in zip(self.offsets, outer.offsets))
 
     def split(self, parts: int) -> list["Box"]:
-        """Split into `parts` boxes along one dim (torch.chunk style; some may be empty).
+        """Split into `parts` boxes along one dim (torch.chunk style; some may be empty; a scalar stays whole).
 
         The first dim with at least `parts` elements is used, so pieces stay as contiguous as possible;
         failing that, the largest dim.
         """
-        if parts <= 1 or not self.sizes:
-            return [self] + [Box(self.offsets, (0,) * len(self.sizes))] * max(parts - 1, 0)
+        if parts <= 1 or not self.sizes:  # a scalar cannot be split: one part
+            return [self]
         dim = next((d for d, s in enumerate(self.sizes) if s >= parts),
                    max(range(len(self.sizes)), key=lambda d: self.sizes[d]))
         out = []

@@ -25,6 +25,8 @@ tensors:
   - {name: layers.1.mlp.experts.0.down_proj.weight, shape: [6, 10]}
   - {name: layers.1.mlp.experts.1.down_proj.weight, shape: [6, 10]}
   - {name: layers.1.empty.weight, shape: [0, 4]}
+  - {name: layers.1.scale, shape: []}
+  - {name: layers.1.count, shape: [3], dtype: int64}
   - {name: norm.weight, shape: [6]}
   - {name: lm_head.weight, shape: [13, 6]}
 """

@@ -156,23 +156,9 @@ class Refit:
         """Checksums: each destination shard against the sources' checksum of the same box (collective)."""
         plan, eng = self.plan, self.engine
         man = plan.src.manifest.tensors
-        contrib: dict = {}
-        for t, sh in eng.src_shards.items():
-            for a, replicas in plan._unique_boxes(man[t].shape, plan.src.placements[t]):
-                if replicas[0] != self.rank:
-                    continue
-                for b, _ in plan._unique_boxes(man[t].shape, plan.dst.placements[t]):
-                    r = a.intersect(b)
-                    if r is not None:
-                        key = (t, b.offsets)
-                        contrib[key] = verify.combine([contrib.get(key, 0), verify.checksum(
-                            sh.data[r.local_slices(sh.box)], r, man[t].shape)])
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, contrib)
-        expected: dict = {}
-        for c in gathered:
-            for k, v in c.items():
-                expected[k] = verify.combine([expected.get(k, 0), v])
+        dist.all_gather_object(gathered, verify.source_contributions(plan, self.rank, eng.src_shards))
+        expected = verify.merge_contributions(gathered)
         ok = all(expected.get((t, sh.box.offsets), 0) == verify.checksum(sh.data, sh.box, man[t].shape)
                  for t, sh in eng.dst_shards.items() if sh.box.numel)
         flag = torch.tensor([0 if ok else 1])

@@ -139,8 +139,10 @@ def worker(opts: RunOptions) -> dict | None:
             raise ConfigError(f"world size {world} is smaller than the {needed} ranks the layouts use "
                               f"(src {src_l.ranks[0]}-{src_l.ranks[-1]}, dst {dst_l.ranks[0]}-{dst_l.ranks[-1]})",
                               key="WORLD_SIZE")
-        topo = load_topology(opts.topology) if opts.topology else NO_TOPOLOGY
-        plan = Plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match or DEFAULT_RESHARD_MATCH)
+        auto = opts.topology is not None and str(opts.topology) == "auto"  # discovered after init (below)
+        topo = load_topology(opts.topology) if opts.topology and not auto else NO_TOPOLOGY
+        plan = None if auto else Plan(src_l, dst_l, topo, mode=opts.mode,
+                                      reshard_match=opts.reshard_match or DEFAULT_RESHARD_MATCH)
         backend = _pick_backend(opts.backend)
     except ReshardError as e:  # the same on every rank: rank 0 says it
         if rank == 0:
@@ -152,6 +154,18 @@ def worker(opts: RunOptions) -> dict | None:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=opts.timeout))
     try:
+        if auto:  # --topology auto: ranks whose GPUs (or CPU host) report the same NVML domain key share a domain
+            from reshard_cli import nvml
+            key, err = None, None
+            try:
+                key = nvml.rank_domain_key(nvml.discover(), int(os.environ.get("LOCAL_RANK", "0")))
+            except ReshardError as e:
+                err = e
+            _all_ok("discovering the topology", err)
+            keys: list = [None] * world
+            dist.all_gather_object(keys, key)
+            plan = Plan(src_l, dst_l, nvml.domains_from_keys(keys), mode=opts.mode,
+                        reshard_match=opts.reshard_match or DEFAULT_RESHARD_MATCH)
         return _work(opts, plan, rank, world, device)
     finally:
         dist.destroy_process_group()
@@ -351,18 +365,7 @@ def _verify(plan: Plan, rank: int, src_shards: dict, dst_shards: dict, source) -
     from reshard_cli.sources import SyntheticSource, synthetic_values
 
     man = plan.src.manifest.tensors
-    contrib: dict[tuple, int] = {}
-    for t, sh in src_shards.items():  # the first replica of each source box speaks for it
-        spec = man[t]
-        for a, replicas in plan._unique_boxes(spec.shape, plan.src.placements[t]):
-            if replicas[0] != rank:
-                continue
-            for b, _holders in plan._unique_boxes(spec.shape, plan.dst.placements[t]):
-                r = a.intersect(b)
-                if r is not None:
-                    key = (t, b.offsets)
-                    contrib[key] = (contrib.get(key, 0) + verify.checksum(sh.data[r.local_slices(sh.box)], r,
-                                                                          spec.shape)) & ((1 << 64) - 1)
+    contrib = verify.source_contributions(plan, rank, src_shards)
     actual: dict[int, int] = {}
     wrong: dict[int, int] = {}
     synthetic = None
@@ -371,12 +374,10 @@ def _verify(plan: Plan, rank: int, src_shards: dict, dst_shards: dict, source) -
     gathered: list = [None] * dist.get_world_size()
     is_synth = isinstance(source, SyntheticSource) if source is not None else None
     dist.all_gather_object(gathered, (contrib, is_synth, getattr(source, "seed", 0)))
-    expected: dict[tuple, int] = {}
-    for c, synth, seed in gathered:
+    expected = verify.merge_contributions(c for c, _s, _seed in gathered)
+    for _c, synth, seed in gathered:
         if synth is not None:
             synthetic = (synth, seed)
-        for k, v in c.items():
-            expected[k] = (expected.get(k, 0) + v) & ((1 << 64) - 1)
     mismatched = []
     for t, sh in dst_shards.items():
         if sh.box.numel == 0:

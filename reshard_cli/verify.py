@@ -84,3 +84,32 @@ def combine(values) -> int:
 
 def fmt(c: int) -> str:
     return f"{c:016x}"
+
+
+def source_contributions(plan, rank: int, src_shards: dict) -> dict:
+    """What this source rank contributes to each destination box's expected checksum.
+
+    The first replica of each unique source box speaks for it; the key is (tensor, destination box offsets).
+    """
+    man = plan.src.manifest.tensors
+    out: dict[tuple, int] = {}
+    for t, sh in src_shards.items():
+        shape = man[t].shape
+        for a, replicas in plan._unique_boxes(shape, plan.src.placements[t]):
+            if replicas[0] != rank:
+                continue
+            for b, _holders in plan._unique_boxes(shape, plan.dst.placements[t]):
+                r = a.intersect(b)
+                if r is not None:
+                    key = (t, b.offsets)
+                    out[key] = combine([out.get(key, 0), checksum(sh.data[r.local_slices(sh.box)], r, shape)])
+    return out
+
+
+def merge_contributions(parts) -> dict:
+    """Expected checksum per (tensor, destination box offsets), from every source rank's contributions."""
+    out: dict[tuple, int] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = combine([out.get(k, 0), v])
+    return out

@@ -107,12 +107,14 @@ def launch(opts: RunOptions) -> int:
 def _pick_backend(choice: str) -> str:
     if choice not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"unknown backend {choice!r} (auto, gloo, nccl)", key="--backend")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "nccl" and gpus < local:
+        raise ConfigError(f"nccl needs one GPU per local rank: {local} ranks on this node, {gpus} GPUs",
+                          key="--backend")
     if choice != "auto":
         return choice
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local:
-        return "nccl"
-    return "gloo"
+    return "nccl" if gpus >= local else "gloo"
 
 
 def _all_ok(stage: str, error: BaseException | None) -> None:

@@ -10,7 +10,7 @@ both ends, where step = (receiver index - sender index) mod M makes each step a 
 each rank posts its sends and receives in key order. The smallest unfinished message then always has both
 ends waiting on it, so it completes — at any scale.
 
-Broadcast path (the baseline RL frameworks use): consecutive tensors with the same root are packed; the
+Broadcast path (the baseline RL frameworks use): tensors with the same root are packed together; the
 root gathers the other source shards, assembles full tensors in the pack, and broadcasts the pack to the
 whole destination group; each destination rank copies out its slice. Its full-tensor buffers are its real
 memory cost and count as staging.
@@ -137,20 +137,22 @@ class Engine:
         return is_contiguous_region(Box(box.relative_to(shard), box.sizes), shard.sizes)
 
     def _build_packs(self) -> list[Pack]:
-        """Broadcast packs, identical on every rank: consecutive tensors with one root, up to half a bucket."""
+        """Broadcast packs, identical on every rank: tensors with one root, up to half a bucket each."""
         half = max(self.bucket_bytes // 2, ALIGN)
         man = self.plan.src.manifest.tensors
         packs: list[Pack] = []
+        open_packs: dict[int, Pack] = {}  # one filling pack per root: tensors need not be consecutive
         for bc in self.plan.bcasts():
             if bc.root < 0:
                 continue
             nb = _align(man[bc.tensor].nbytes)
-            last = packs[-1] if packs else None
-            if last is not None and last.root == bc.root and last.nbytes + nb <= half:
+            last = open_packs.get(bc.root)
+            if last is not None and last.nbytes + nb <= half:
                 last.tensors.append((bc, last.nbytes))
                 last.nbytes += nb
             else:
-                packs.append(Pack(bc.root, [(bc, 0)], nb))
+                open_packs[bc.root] = Pack(bc.root, [(bc, 0)], nb)
+                packs.append(open_packs[bc.root])  # packs run in order of their first tensor
         mine = self.rank in self.plan.dst.ranks
         return [p for p in packs if mine or p.root == self.rank
                 or any(s == self.rank for bc, _ in p.tensors for s, _a in bc.gather)]

@@ -1,12 +1,19 @@
 """Position-aware checksums: prove that every element sits at the right global index with the right bits.
 
-    checksum(region) = Σ_i  w(i) · bits(x_i)   (mod 2^64)
+Think of a tensor as rows (every index but the last, flattened over the *global* shape) and columns (the
+last index). Then
 
-where i is the element's *global* flat index in the full tensor, w(i) a 31-bit mix of i, and bits(x) the
-value's raw bit pattern. The sum is additive over disjoint regions, so sources can compute it for the parts
-they hold and destinations for what they received, and the two must agree without any full tensor existing
-anywhere. A misplaced element changes w, a missing one (a sentinel left in place) or a corrupted one changes
-bits, a duplicated one changes both; a fault escapes only with probability about 2^-31.
+    checksum(region) = Σ_(row, col)  a(row) · b(col) · bits(x[row, col])   (mod 2^64)
+
+with a(row) a 64-bit mix of the global row number, b(col) a 20-bit mix of the global column, and bits(x) the
+value's raw bit pattern (signed 16-bit halves). The sum is additive over disjoint regions, so sources compute
+it for the parts they hold and destinations for what they received, and the two must agree without any full
+tensor existing anywhere. A misplaced element changes its weight, a missing one (a sentinel left in place)
+or a corrupted one changes bits, a duplicated one changes both.
+
+The inner sum over a row is a float64 matrix-vector product, exact because every term stays below 2^52
+(16-bit halves times 20-bit weights, at most 2^16 columns per block); only the per-row results are mixed in
+64-bit integers. That runs at memory speed instead of a dozen integer passes per element.
 """
 from __future__ import annotations
 
@@ -15,31 +22,36 @@ import torch
 from reshard_cli.geometry import Box
 
 _MASK64 = (1 << 64) - 1
-_CHUNK = 1 << 20  # elements per step: bounds the int64 temporaries
+_CHUNK = 1 << 22  # elements per step: bounds the float64 temporaries (32 MiB)
+_COLS = 1 << 16  # columns per exact float64 block
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """Raw bit pattern of every element as int64 (unsigned for narrow types)."""
+def _halves(x: torch.Tensor) -> list[torch.Tensor]:
+    """The element bits as signed 16-bit (or 8-bit) pieces, each as float64, same shape as x."""
     size = x.element_size()
     if size == 1:
-        return x.view(torch.uint8).to(torch.int64)
+        return [x.view(torch.int8).to(torch.float64)]
     if size == 2:
-        return x.view(torch.int16).to(torch.int64) & 0xFFFF
+        return [x.view(torch.int16).to(torch.float64)]
     if size == 4:
-        return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        v = x.view(torch.int32)
+        return [(v >> 16).to(torch.float64), (v & 0xFFFF).to(torch.float64)]
     if size == 8:
         v = x.view(torch.int64)
-        return (v ^ (v >> 32)) & 0xFFFFFFFF  # fold 64 bits into 32 so the product stays in range
+        return [((v >> s) & 0xFFFF).to(torch.float64) for s in (48, 32, 16, 0)]
     raise ValueError(f"unsupported dtype {x.dtype}")
 
 
-def _weights(idx: torch.Tensor) -> torch.Tensor:
-    """A 31-bit mix of the global index (xorshift-multiply)."""
-    h = (idx + 0x5BD1E995) * 0x27D4EB2D
-    h = h ^ (h >> 15)
-    h = (h & 0x7FFFFFFF) * 0x165667B1
-    h = h ^ (h >> 13)
-    return (h & 0x7FFFFFFF) | 1
+def _mix(v: torch.Tensor) -> torch.Tensor:
+    """A 64-bit integer mix (splitmix-style multiply/xor-shift, wrapping int64 arithmetic)."""
+    h = (v + 0x632BE59BD9B4E019) * -7046029254386353131
+    h = h ^ ((h >> 31) & 0x1FFFFFFFF)
+    h = h * -4658895280553007687
+    return h ^ ((h >> 29) & 0x7FFFFFFFF)
+
+
+def _col_weights(cols: torch.Tensor, half: int) -> torch.Tensor:
+    return ((_mix(cols * 4 + half) & 0xFFFFF) | 1).to(torch.float64)
 
 
 def global_index(box: Box, shape: tuple, rows: slice | None = None) -> torch.Tensor:
@@ -63,17 +75,28 @@ def checksum(x: torch.Tensor, box: Box, shape: tuple) -> int:
         return 0
     if tuple(x.shape) != tuple(box.sizes):
         raise ValueError(f"tensor shape {tuple(x.shape)} != box {box.sizes}")
-    x = x.detach().cpu() if x.device.type != "cpu" else x.detach()
-    if not shape:  # a scalar
-        return int((_weights(torch.zeros((), dtype=torch.int64)) * _bits(x.reshape(1))).sum()) & _MASK64
+    x = x.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    if not shape:  # a scalar: one row, one column
+        shape, box, x = (1,), Box((0,), (1,)), x.reshape(1)
+    ncols = box.sizes[-1]
+    rows_box = Box(box.offsets[:-1], box.sizes[:-1])
+    row_ids = global_index(rows_box, tuple(shape[:-1])).reshape(-1) if len(shape) > 1 else torch.zeros(
+        1, dtype=torch.int64)
+    a = _mix(row_ids)  # int64 weights per row
+    x2 = x.reshape(-1, ncols)
+    col0 = box.offsets[-1]
     total = 0
-    row_elems = max(x[0].numel() if x.dim() else 1, 1)
-    step = max(1, _CHUNK // row_elems)
-    for a in range(0, box.sizes[0], step):
-        b = min(a + step, box.sizes[0])
-        part = x[a:b].contiguous()
-        w = _weights(global_index(box, shape, slice(a, b))).reshape(-1)
-        total += int((w * _bits(part.reshape(-1))).sum())  # int64 sum wraps mod 2^64; fine for a checksum
+    step = max(1, _CHUNK // ncols)
+    for c0 in range(0, ncols, _COLS):
+        c1 = min(c0 + _COLS, ncols)
+        cols = torch.arange(col0 + c0, col0 + c1, dtype=torch.int64)
+        for r0 in range(0, x2.shape[0], step):
+            block = x2[r0:r0 + step, c0:c1].contiguous()
+            for half, bits in enumerate(_halves(block)):
+                rowsum = (bits @ _col_weights(cols, half)).to(torch.int64)  # exact: |terms| < 2^52
+                total += int((rowsum * a[r0:r0 + step]).sum())  # int64 wraps: fine mod 2^64
     return total & _MASK64
 
 

@@ -1,0 +1,263 @@
+"""`reshard check`: output directories written directly (no torchrun) from the synthetic values and the dst
+layout's boxes, checked as they are and after each kind of damage."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import PAIRS, ROOT, write_pair
+from reshard_cli import sinks, verify
+from reshard_cli.check import blocks, check_output
+from reshard_cli.geometry import Box
+from reshard_cli.layout import load_pair
+from reshard_cli.sources import synthetic_values
+
+TRAIN, INFER = ROOT / "examples/cpu/train.yaml", ROOT / "examples/cpu/infer.yaml"
+
+
+def make_output(src, dst, out, seed=0):
+    """What `reshard run --out` writes, computed directly: each dst rank's boxes of the synthetic values."""
+    src_l, dst_l = load_pair(src, dst)
+    sinks.prepare_out_dir(out, overwrite=False)
+    man = dst_l.manifest.tensors
+    entries = []
+    for i, r in enumerate(dst_l.ranks):
+        tensors, listed = {}, {}
+        for t, p in enumerate(dst_l.placements):
+            if r in p.holder_set:
+                spec, box = man[t], p.box_of(man[t].shape, r)
+                x = synthetic_values(t, box, spec.shape, spec.dtype, seed)
+                tensors[spec.name] = x
+                listed[spec.name] = {"shape": list(spec.shape), "offsets": list(box.offsets),
+                                     "local_shape": list(box.sizes), "dtype": spec.dtype,
+                                     "checksum": verify.fmt(verify.checksum(x, box, spec.shape))}
+        sinks.write_rank_file(out, i, tensors)
+        entries.append({"index": i, "rank": r, "tensors": listed})
+    sinks.write_manifest(out, sinks.build_manifest(src_l, dst_l, entries))
+    return src_l, dst_l
+
+
+def call_main(monkeypatch, capsys, *args):
+    """The console script's `main()` in this process, with a patched argv."""
+    from reshard_cli.cli import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["reshard", *map(str, args)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    out = capsys.readouterr()
+    code = info.value.code if isinstance(info.value.code, int) else (0 if info.value.code is None else 1)
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """pp2_ep2_to_dp2_tp2: PP + EP on the source, replicas on both sides, a bf16 and an empty tensor."""
+    d = tmp_path_factory.mktemp("check")
+    src, dst = write_pair(d, "pp2_ep2_to_dp2_tp2")
+    make_output(src, dst, d / "out")
+    return src, dst, d / "out"
+
+
+@pytest.fixture
+def copy(good, tmp_path):
+    src, dst, out = good
+    shutil.copytree(out, tmp_path / "out")
+    return src, dst, tmp_path / "out"
+
+
+def check(monkeypatch, capsys, src, dst, out, *more):
+    return call_main(monkeypatch, capsys, "check", "--src", src, "--dst", dst, "--out", out, *more)
+
+
+# ------------------------------------------------------------------------------------------------ passes
+
+
+def test_blocks_tile_every_shard_in_row_major_order():
+    for sizes in [(7,), (5, 3), (4, 3, 5), (2, 1, 3, 4), (3, 0), (), (1, 9)]:
+        full = torch.arange(torch.Size(sizes).numel()).reshape(sizes)
+        for limit in (1, 2, 5, 7, 12, 100):
+            parts = []
+            for offs, sz in blocks(sizes, limit):
+                assert torch.Size(sz).numel() <= max(limit, 1)
+                parts.append(full[tuple(slice(o, o + s) for o, s in zip(offs, sz))].reshape(-1))
+            got = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+            assert torch.equal(got, full.reshape(-1)), (sizes, limit)
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_good_outputs_pass(tmp_path, pair):
+    src, dst = write_pair(tmp_path, pair)
+    _, dst_l = make_output(src, dst, tmp_path / "out")
+    src_l, dst_l = load_pair(src, dst)
+    want = sum(p.box_of(s.shape, r).numel * torch.empty(0, dtype=getattr(torch, s.dtype)).element_size()
+               for r in dst_l.ranks for s, p in zip(dst_l.manifest.tensors, dst_l.placements) if r in p.holder_set)
+    for block in (5, 1 << 18):  # tiny blocks: shards split along several dims
+        res = check_output(src_l, dst_l, tmp_path / "out", block_elems=block)
+        assert res.ok, [p.text() for p in res.problems]
+        assert res.bytes == want and len(res.ranks) == dst_l.size
+        assert all(r.checksum_ok and r.mismatches == 0 for r in res.ranks)
+
+
+def test_demo_pair_cli_and_json(tmp_path, monkeypatch, capsys):
+    out, js = tmp_path / "out", tmp_path / "check.json"
+    make_output(TRAIN, INFER, out)
+    r = check(monkeypatch, capsys, TRAIN, INFER, out, "--json", js)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("reshard check: tiny-moe") and "all ok" in lines[-1] and "GB/s" in lines[-1]
+    assert "rank-00001.safetensors" in r.stdout and "checksum" in r.stdout
+    doc = json.loads(js.read_text())
+    assert doc["ok"] and doc["problems"] == [] and doc["tensors"] == 226 and doc["bytes"] > 13_000_000
+    assert [x["rank"] for x in doc["ranks"]] == [2, 3] and all(x["checksum_ok"] for x in doc["ranks"])
+
+
+def test_other_source_kinds(good, tmp_path):
+    """A safetensors checkpoint and a shard directory as the source, as `run` takes them."""
+    src, dst, out = good
+    src_l, dst_l = load_pair(src, dst)
+    full = {s.name: synthetic_values(t, Box.full(s.shape), s.shape, s.dtype, 0) + 0
+            for t, s in enumerate(src_l.manifest.tensors)}
+    save_file(full, tmp_path / "ckpt.safetensors")
+    assert check_output(src_l, dst_l, out, f"safetensors:{tmp_path / 'ckpt.safetensors'}").ok
+    assert check_output(src_l, dst_l, out, f"shards:{out}").ok
+    # the src layout's source: key is the default
+    layout = tmp_path / "src-ckpt.yaml"
+    layout.write_text(src.read_text() + f"source: {{kind: safetensors, path: {tmp_path / 'ckpt.safetensors'}}}\n")
+    shutil.copy(src.parent / "model.yaml", tmp_path / "model.yaml")
+    s2, d2 = load_pair(layout, dst)
+    assert check_output(s2, d2, out).ok
+    # another seed: every non-empty shard differs
+    res = check_output(src_l, dst_l, out, "synthetic:3")
+    assert not res.ok and {p.kind for p in res.problems} == {"values"}
+
+
+# ------------------------------------------------------------------------------------------------ faults
+
+
+def _rewrite(path, change):
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path)
+
+
+def _flip_byte(path, name, element):
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    entry = json.loads(raw[8:8 + n])[name]
+    item = {"F32": 4, "BF16": 2}[entry["dtype"]]
+    raw[8 + n + entry["data_offsets"][0] + element * item] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def _manifest(out, change):
+    doc = json.loads((out / "manifest.json").read_text())
+    change(doc)
+    (out / "manifest.json").write_text(json.dumps(doc))
+
+
+Q = "layers.0.attn.q_proj.weight"
+
+
+def test_one_flipped_byte(copy, monkeypatch, capsys, tmp_path):
+    src, dst, out = copy
+    # rank-00001 is dst rank 5 (dp 0, tp 1): rows 5:9 of q_proj [9, 6]; element 7 is local [1, 1]
+    _flip_byte(out / "rank-00001.safetensors", Q, 7)
+    r = check(monkeypatch, capsys, src, dst, out, "--json", tmp_path / "c.json")
+    assert r.returncode == 1
+    assert f"rank 5 (rank-00001.safetensors) tensor '{Q}': 1 element differs from the source, first at [6, 1] " \
+           f"(shard index [1, 1])" in r.stdout
+    assert "checksum of the file's shard is" in r.stdout
+    assert "WRONG" in r.stdout and "FAILED: 2 problems" in r.stdout
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "check failed: 2 problems on rank 5" in err[0]
+    doc = json.loads((tmp_path / "c.json").read_text())
+    values = [p for p in doc["problems"] if p["kind"] == "values"]
+    assert values == [{"kind": "values", "message": values[0]["message"], "index": 1, "rank": 5, "tensor": Q,
+                       "count": 1, "first_index": [6, 1], "local_index": [1, 1]}]
+    assert not doc["ok"] and doc["ranks"][1]["mismatches"] == 2 and doc["ranks"][1]["checksum_ok"] is False
+    assert doc["ranks"][0]["mismatches"] == 0 and doc["ranks"][0]["checksum_ok"] is True
+
+
+@pytest.mark.parametrize("fault, expect", [
+    ("missing_file", "rank 6 (rank-00002.safetensors): rank file rank-00002.safetensors is missing"),
+    ("missing_tensor", f"rank 4 (rank-00000.safetensors) tensor '{Q}': missing from rank-00000.safetensors"),
+    ("extra_tensor", "rank 4 (rank-00000.safetensors) tensor 'stray.weight': extra tensor in rank-00000"),
+    ("wrong_shape", f"rank 4 (rank-00000.safetensors) tensor '{Q}': shape [4, 6] in rank-00000.safetensors, "
+                    f"the dst layout's shard is [5, 6]"),
+    ("wrong_dtype", f"rank 4 (rank-00000.safetensors) tensor '{Q}': dtype float64 in rank-00000.safetensors, "
+                    f"the model says float32"),
+    ("bf16_values", "rank 7 (rank-00003.safetensors) tensor 'layers.1.norm.weight': 6 elements differ from the "
+                    "source, first at [0]"),
+    ("manifest_incomplete", "rank 7 (rank-00003.safetensors): manifest is incomplete: it has no entry for this "
+                            "rank of the dst layout"),
+    ("manifest_offsets", f"rank 5 (rank-00001.safetensors) tensor '{Q}': manifest offsets [0, 0], the dst layout "
+                         f"says [5, 0]"),
+    ("manifest_checksum", f"rank 4 (rank-00000.safetensors) tensor '{Q}': checksum of the file's shard is"),
+    ("manifest_rank", "rank 4 (rank-00000.safetensors): manifest says global rank 9, the dst layout has 4"),
+    ("extra_rank_file", "output: extra rank file rank-00004.safetensors: the dst layout has 4 ranks"),
+])
+def test_faults_are_caught(copy, monkeypatch, capsys, fault, expect):
+    src, dst, out = copy
+    f0 = out / "rank-00000.safetensors"
+    if fault == "missing_file":
+        (out / "rank-00002.safetensors").unlink()
+    elif fault == "missing_tensor":
+        _rewrite(f0, lambda t: t.pop(Q))
+    elif fault == "extra_tensor":
+        _rewrite(f0, lambda t: t.update({"stray.weight": torch.zeros(3)}))
+    elif fault == "wrong_shape":
+        _rewrite(f0, lambda t: t.update({Q: t[Q][:4].clone()}))
+    elif fault == "wrong_dtype":
+        _rewrite(f0, lambda t: t.update({Q: t[Q].double()}))
+    elif fault == "bf16_values":  # a replicated bf16 tensor, every element changed
+        _rewrite(out / "rank-00003.safetensors",
+                 lambda t: t.update({"layers.1.norm.weight": t["layers.1.norm.weight"] + 1}))
+    elif fault == "manifest_incomplete":
+        _manifest(out, lambda d: d["ranks"].pop(3))
+    elif fault == "manifest_offsets":
+        _manifest(out, lambda d: d["ranks"][1]["tensors"][Q].update(offsets=[0, 0]))
+    elif fault == "manifest_checksum":
+        _manifest(out, lambda d: d["ranks"][0]["tensors"][Q].update(checksum="0" * 16))
+    elif fault == "manifest_rank":
+        _manifest(out, lambda d: d["ranks"][0].update(rank=9))
+    elif fault == "extra_rank_file":
+        shutil.copy(f0, out / "rank-00004.safetensors")
+    r = check(monkeypatch, capsys, src, dst, out)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert expect in r.stdout, r.stdout
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("reshard: error: check failed")
+    assert "Traceback" not in r.stderr
+
+
+def test_manifest_missing_is_bad_input(copy, monkeypatch, capsys):
+    src, dst, out = copy
+    (out / "manifest.json").unlink()
+    r = check(monkeypatch, capsys, src, dst, out)
+    assert r.returncode == 2 and r.stdout == ""
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and f"{out / 'manifest.json'}: manifest is missing" in err[0]
+
+
+def test_manifest_for_other_layouts(copy, monkeypatch, capsys, tmp_path):
+    """The output of one dst layout checked against another: names the rank and the tensor."""
+    src, dst, out = copy
+    other = tmp_path / "other.yaml"  # same ranks, q_proj sharded on dim 1 instead of 0; then other ranks
+    other.write_text(dst.read_text().replace("'q_proj|up_proj|embed|lm_head', shard: {tp: 0}",
+                                             "'q_proj|up_proj|embed|lm_head', shard: {tp: 1}"))
+    shutil.copy(dst.parent / "model.yaml", tmp_path / "model.yaml")
+    r = check(monkeypatch, capsys, src, other, out)
+    assert r.returncode == 1
+    assert f"rank 4 (rank-00000.safetensors) tensor '{Q}': manifest local_shape [5, 6], the dst layout says [9, 3]" \
+           in r.stdout
+    assert f"rank 4 (rank-00000.safetensors) tensor '{Q}': shape [5, 6] in rank-00000.safetensors" in r.stdout
+    moved = tmp_path / "moved.yaml"
+    moved.write_text("ranks: 8-11\n" + dst.read_text())
+    r = check(monkeypatch, capsys, src, moved, out)
+    assert r.returncode == 1
+    assert "output: manifest's dst ranks 4-7 differ from the dst layout's 8-11" in r.stdout
+    assert "rank 8 (rank-00000.safetensors): manifest says global rank 4, the dst layout has 8" in r.stdout

@@ -96,6 +96,12 @@ def plan(
     stats = p.stats()
     stats["layout_seconds"] = t_layout
     typer.echo(plan_text(stats))
+    from reshard_cli.cost import plan_prediction  # predicted seconds per mode + lower bound (topology links)
+
+    cost_text, cost_doc = plan_prediction(p)
+    if cost_text:
+        typer.echo(cost_text)
+    stats.update(cost_doc)
     if json_out:
         doc = dict(stats)
         doc["pieces"] = [_piece_json(p, pc) for pc in p.pieces()]
@@ -134,8 +140,16 @@ def run(
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a stuck rank makes every rank fail."),
     link_test: bool = typer.Option(True, "--link-test/--no-link-test", help="Measure raw send/recv first."),
     scale: int = ScaleOpt,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch commands and the rank -> node -> "
+                                 "group -> mesh -> domain map, start nothing."),
 ):
     """Move the weights: starts torchrun itself, or runs as one of its workers."""
+    if dry_run:  # before torch is imported: a laptop checks a 256-GPU job in a second
+        from reshard_cli import launch
+
+        typer.echo(launch.dry_run(launch.LaunchOptions(src=src, dst=dst, topology=topology, scale=scale,
+                                                       argv=sys.argv[1:])))
+        return
     from reshard_cli import run as run_mod
     from reshard_cli.report import write_json
 
@@ -161,6 +175,117 @@ def run(
         from reshard_cli.errors import RuntimeFailure
 
         raise RuntimeFailure("verification failed: some destination shards are wrong (see the table above)")
+
+
+@app.command()
+def check(
+    src: Path = SrcOpt,
+    dst: Path = DstOpt,
+    out: Path = typer.Option(..., "--out", help="The output directory of `reshard run --out`."),
+    source: Optional[str] = typer.Option(None, "--source", help="Override the src layout's source: synthetic | "
+                                         "safetensors:PATH | shards:PATH | dcp:PATH."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON."),
+    scale: int = ScaleOpt,
+):
+    """Check an output directory against its source, element by element, without torchrun."""
+    from reshard_cli.check import check_output
+    from reshard_cli.errors import RuntimeFailure
+    from reshard_cli.layout import load_pair
+    from reshard_cli.report import write_json
+
+    src_l, dst_l = load_pair(src, dst, scale=scale)
+    result = check_output(src_l, dst_l, out, source)
+    typer.echo(result.text())
+    if json_out:
+        try:
+            write_json(json_out, result.to_json())
+        except OSError as e:
+            raise ConfigError(f"cannot write {json_out}: {e.strerror or e}", key="--json") from None
+    if not result.ok:
+        bad = sorted({p.rank for p in result.problems if p.rank is not None})
+        where = f" on rank{'s' if len(bad) != 1 else ''} {', '.join(map(str, bad[:8]))}" if bad else ""
+        raise RuntimeFailure(f"check failed: {len(result.problems)} problem{'s' if len(result.problems) != 1 else ''}"
+                             f"{where} (see above)")
+
+
+@app.command()
+def topo(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the discovery (and bandwidths) as JSON."),
+    yaml_out: Optional[Path] = typer.Option(None, "--yaml", help="Write the topology YAML that plan/run --topology take."),
+    ranks_per_node: Optional[int] = typer.Option(None, "--ranks-per-node", min=1,
+                                                 help="Local ranks per host for --yaml (default: one per GPU; "
+                                                      "without GPUs, each rank alone)."),
+    bandwidth: bool = typer.Option(False, "--bandwidth", help="Measure copy and process-to-process bandwidth."),
+    bandwidth_mb: int = typer.Option(256, "--bandwidth-mb", min=1, help="Buffer size for --bandwidth (MiB)."),
+):
+    """Show this host's GPUs and NVLink domains (NVML); under torchrun, every host of the job."""
+    import yaml
+
+    from reshard_cli import nvml
+    from reshard_cli.bandwidth import topo_text
+    from reshard_cli.report import write_json
+
+    def write(path: Path, fn) -> None:
+        try:
+            fn(path)
+        except OSError as e:
+            raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
+
+    from reshard_cli.run import under_torchrun
+    if under_torchrun():
+        from reshard_cli.bandwidth import job_topology
+        job = job_topology(bandwidth=bandwidth, mb=bandwidth_mb)
+        if job is None:  # not rank 0
+            return
+        typer.echo(job["_text"])
+        if json_out:
+            write(json_out, lambda p: write_json(p, {k: v for k, v in job.items() if not k.startswith("_")}))
+        if yaml_out:
+            write(yaml_out, lambda p: p.write_text(yaml.safe_dump(job["_topology"].to_yaml_dict(), sort_keys=False)))
+        return
+    d = nvml.discover()
+    typer.echo(topo_text(d), nl=False)
+    doc = nvml.to_json(d)
+    if bandwidth:
+        from reshard_cli.bandwidth import bandwidth_table, measure
+        rows = measure(mb=bandwidth_mb)
+        typer.echo(bandwidth_table(rows))
+        doc["bandwidth"] = rows
+    if json_out:
+        write(json_out, lambda p: write_json(p, doc))
+        typer.echo(f"wrote {json_out}")
+    if yaml_out:
+        topology = nvml.to_topology(d, ranks_per_node=ranks_per_node)
+        write(yaml_out, lambda p: p.write_text(yaml.safe_dump(topology.to_yaml_dict(), sort_keys=False)))
+        typer.echo(f"wrote {yaml_out} ({topology.describe()})")
+
+
+@app.command()
+def bench(
+    src: Optional[Path] = typer.Option(None, "--src", help="Trainer (source) layout YAML."),
+    dst: Optional[Path] = typer.Option(None, "--dst", help="Inference (destination) layout YAML."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="A bundled suite (cpu) or a suite YAML, instead of --src/--dst."),
+    iters: int = typer.Option(5, "--iters", help="Timed runs per measurement after one warm-up; the median is reported."),
+    sizes: Optional[str] = typer.Option(None, "--sizes", help="Size sweep: --scale factors, e.g. 1,2,4,8."),
+    topology: Optional[Path] = TopoOpt,
+    reshard_match: Optional[str] = MatchOpt,
+    backend: str = typer.Option("auto", "--backend", help="auto | gloo | nccl."),
+    bucket_mb: float = typer.Option(64.0, "--bucket-mb", help="Staging memory per rank for packed buckets (MiB)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every figure as JSON."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of time and GB/s per mode (needs matplotlib)."),
+    plan_scaling: bool = typer.Option(True, "--plan-scaling/--no-plan-scaling", help="Also time planning at scale."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress lines."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a stuck rank makes every rank fail."),
+    dcp_dir: Optional[Path] = typer.Option(None, "--dcp-dir", help="Where DCP checkpoints go (shared by all nodes)."),
+    scale: int = ScaleOpt,
+):
+    """Time link limit, reshard, hybrid, broadcast and torch.distributed.checkpoint on the same processes."""
+    from reshard_cli import bench as bench_mod
+
+    bench_mod.main(bench_mod.BenchOptions(
+        src=src, dst=dst, suite=suite, iters=iters, sizes=sizes, scale=scale, topology=topology,
+        reshard_match=reshard_match, backend=backend, bucket_mb=bucket_mb, json=json_out, plot=plot,
+        plan_scaling=plan_scaling, quiet=quiet, timeout=timeout, dcp_dir=dcp_dir, argv=sys.argv[1:]))
 
 
 def main() -> None:

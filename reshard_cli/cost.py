@@ -17,8 +17,8 @@ The model, path by path, as `transport.py` runs it:
   The current transport starts phase 1 on a rank after its phase 0, so the phases **add**:
   max(network, phase-0 NVLink) + forwards. A transport that forwards each bucket as soon as it lands
   ("pipelined") would reach max(network, all NVLink) — reported beside it.
-* **broadcast path** — packs (consecutive broadcast tensors with one root, up to half a bucket: the
-  transport's packing) go one after another. Each pack is first gathered on its root (blocking receives, one
+* **broadcast path** — packs (broadcast tensors with one root, up to half a bucket: the transport's
+  packing) go one after another. Each pack is first gathered on its root (blocking receives, one
   message per source box, NVLink when the sender shares the root's domain, network otherwise), then
   broadcast to {root} ∪ destination ranks by a pipelined ring (NCCL's broadcast): every byte enters each
   domain once over the network and every rank once. A ring can run one channel per NIC only as far as every
@@ -329,8 +329,8 @@ class _Model:
         half = self.half
         gather_s = 0.0
         gather_m = 0
-        packs: dict[int, list] = {}  # root -> [packs, bytes]
-        cur_root, cur_bytes = None, 0
+        packs: dict[int, list] = {}  # root -> [closed packs, bytes]
+        filling: dict[int, int] = {}  # root -> bytes of its open pack (the transport fills one pack per root)
         cid, items, numel_of = self.cid, self.items, self.numel_of
         for t in tensors:
             i = cid[t]
@@ -342,18 +342,19 @@ class _Model:
             gather_s += per_item * item
             gather_m += msgs
             nb = (numel * item + ALIGN - 1) // ALIGN * ALIGN
-            if cur_root == root and cur_bytes + nb <= half:
-                cur_bytes += nb
+            cur = filling.get(root)
+            if cur is not None and cur + nb <= half:
+                filling[root] = cur + nb
                 continue
-            if cur_root is not None:
-                acc = packs.setdefault(cur_root, [0, 0])
+            if cur is not None:
+                acc = packs.setdefault(root, [0, 0])
                 acc[0] += 1
-                acc[1] += cur_bytes
-            cur_root, cur_bytes = root, nb
-        if cur_root is not None:
-            acc = packs.setdefault(cur_root, [0, 0])
+                acc[1] += cur
+            filling[root] = nb
+        for root, cur in filling.items():
+            acc = packs.setdefault(root, [0, 0])
             acc[0] += 1
-            acc[1] += cur_bytes
+            acc[1] += cur
         ring_bw_s = ring_lat_s = 0.0
         slowest, hops = math.inf, 0
         for root, (count, nbytes) in packs.items():

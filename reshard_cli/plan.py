@@ -81,6 +81,7 @@ class _Class:
         self._src_doms = [{dom[s] for s in senders} for _a, senders in src_boxes]
         self._entries: list | None = None
         self._where: dict | None = None
+        self._parts: dict[int, list] = {}
         self._loads: dict = {}
 
     def _groups(self, holders: tuple) -> list[tuple[int, list[int]]]:
@@ -93,10 +94,12 @@ class _Class:
         """Entries of one destination box inside one domain, and the elements that must enter the domain."""
         entries = []
         from_outside = b.numel
-        for ai, ((a, senders), doms) in enumerate(zip(self.src_boxes, self._src_doms)):
-            r = a.intersect(b)
-            if r is None:
-                continue
+        parts = self._parts.get(bi)
+        if parts is None:  # the source boxes this destination box needs: once per box, not per domain group
+            parts = self._parts[bi] = [(ai, senders, doms, r) for ai, ((a, senders), doms)
+                                       in enumerate(zip(self.src_boxes, self._src_doms))
+                                       if (r := a.intersect(b)) is not None]
+        for ai, senders, doms, r in parts:
             n = r.numel
             key = ai + bi + gi
             if d in doms:  # a source replica shares the domain: send directly, in-domain

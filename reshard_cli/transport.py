@@ -68,7 +68,7 @@ class Engine:
     bucket_bytes: int = 64 << 20
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     progress: Callable[[int], None] | None = None
-    direct_min_bytes: int = int(os.environ.get("RESHARD_DIRECT_MIN", 1 << 20))  # contiguous pieces at least this big skip packing
+    direct_min_bytes: int = int(os.environ.get("RESHARD_DIRECT_MIN", 64 << 10))  # pieces this big travel alone
     window: int = 32  # messages in flight per rank (at most two of them staged)
 
     def __post_init__(self):
@@ -103,18 +103,24 @@ class Engine:
                 si, di, m = dst_idx[s], dst_idx[d], len(dst_idx)
             step = (di - si) % m
             items.sort(key=lambda x: (x[0], x[1].offsets))
-            # Large pieces that are contiguous at both ends travel alone, straight from the source tensor
-            # into the destination tensor; the rest is packed. Both ends decide alike from the plan.
+            # Large pieces travel alone, straight from the source tensor into the destination tensor where
+            # that end is contiguous; small ones are packed. Both ends decide alike from the plan.
             src_layout = self.plan.src if phase == 0 else self.plan.dst
             bucket: list = []
             size = end = n = 0  # next aligned offset; end of the last item (the message length); bucket no.
             for t, box in items:
                 nb = box.numel * self._item[t]
-                if nb >= self.direct_min_bytes and self._contiguous(src_layout, s, t, box) \
-                        and self._contiguous(self.plan.dst, d, t, box):
-                    ops.append(Op((phase, step, si, di, n), send, peer, ((t, box, 0),), nb))
-                    n += 1
-                    continue
+                if nb >= self.direct_min_bytes:
+                    at_src = self._contiguous(src_layout, s, t, box)
+                    at_dst = self._contiguous(self.plan.dst, d, t, box)
+                    if at_src or at_dst:  # travels alone; only a strided end copies, half a bucket at a time
+                        k = 1 if at_src and at_dst else -(-nb // half)
+                        for b in (box.split(k) if k > 1 else [box]):
+                            if b.numel:
+                                ops.append(Op((phase, step, si, di, n), send, peer, ((t, b, 0),),
+                                              b.numel * self._item[t]))
+                                n += 1
+                        continue
                 k = -(-nb // half)  # a non-contiguous piece larger than a bucket is split (alike on both ends)
                 for b in (box.split(k) if k > 1 else [box]):
                     nb = b.numel * self._item[t]

@@ -6,7 +6,8 @@ Each intersection must enter each destination domain once:
   * otherwise the intersection is split among the k destination replicas of B in that domain, each piece
     comes over the network from one source replica (phase 0) and is then forwarded to the other k-1 (phase 1).
 Source replicas share the sending by rotation: entry k of tensor t is sent by replica (t + k) mod n. The rule
-is local, so a rank can build just its own pieces and get exactly the global plan restricted to itself.
+needs no global pass over tensors, so a rank can build just the pieces of the tensors it touches and get
+exactly the global plan restricted to itself.
 
 Tensors with equal (shape, src placement, dst placement) form a class; the geometry of a class is computed
 once (`_Class`), and instantiating a tensor only applies the rotation.
@@ -63,16 +64,14 @@ class _Loads(NamedTuple):
 class _Class:
     """Geometry shared by every tensor with the same shape and placements.
 
-    Entries are (senders, dst, box, phase, numel, key): the piece goes to `dst` from
-    senders[(t + key) % len(senders)]. `key` depends only on where the entry sits (source box a, destination
-    box b, domain group g, sub-piece j), so one destination group's entries can be built alone.
+    Entries are (senders, dst, box, phase, numel, k): the piece goes to `dst` from senders[(t + k) % len(senders)],
+    k being the entry's position in the class, so consecutive pieces cycle through the source replicas.
     """
 
     def __init__(self, shape: tuple, src_boxes: list, dst_boxes: list, dom: dict, receivers: tuple,
-                 dst_placement: Placement, recv_doms: frozenset):
+                 recv_doms: frozenset):
         self.shape = shape
         self.recv_doms = recv_doms  # domains of the destination group
-        self.dst_placement = dst_placement
         self.src_boxes = src_boxes
         self.dst_boxes = dst_boxes
         self.dom = dom
@@ -90,30 +89,28 @@ class _Class:
             groups.setdefault(self.dom[h], []).append(h)
         return list(groups.items())
 
-    def _group_entries(self, bi: int, b: Box, gi: int, d: int, group: list) -> tuple[list, int]:
+    def _group_entries(self, bi: int, b: Box, d: int, group: list) -> tuple[list, int]:
         """Entries of one destination box inside one domain, and the elements that must enter the domain."""
         entries = []
         from_outside = b.numel
         parts = self._parts.get(bi)
         if parts is None:  # the source boxes this destination box needs: once per box, not per domain group
-            parts = self._parts[bi] = [(ai, senders, doms, r) for ai, ((a, senders), doms)
-                                       in enumerate(zip(self.src_boxes, self._src_doms))
+            parts = self._parts[bi] = [(senders, doms, r) for (a, senders), doms in zip(self.src_boxes, self._src_doms)
                                        if (r := a.intersect(b)) is not None]
-        for ai, senders, doms, r in parts:
+        for senders, doms, r in parts:
             n = r.numel
-            key = ai + bi + gi
             if d in doms:  # a source replica shares the domain: send directly, in-domain
                 from_outside -= n
                 local = tuple(s for s in senders if self.dom[s] == d)
-                entries.extend((local, g, r, 0, n, key + i) for i, g in enumerate(group))
+                entries.extend((local, g, r, 0, n) for g in group)
             elif len(group) == 1:
-                entries.append((senders, group[0], r, 0, n, key))
+                entries.append((senders, group[0], r, 0, n))
             else:  # split among the domain's replicas, each forwards its part to the others
                 for j, sub in enumerate(r.split(len(group))):
                     m = sub.numel
                     if m:
-                        entries.append((senders, group[j], sub, 0, m, key + j))
-                        entries.extend(((group[j],), g, sub, 1, m, 0) for g in group if g != group[j])
+                        entries.append((senders, group[j], sub, 0, m))
+                        entries.extend(((group[j],), g, sub, 1, m) for g in group if g != group[j])
         return entries, from_outside
 
     @property
@@ -122,11 +119,11 @@ class _Class:
             entries: list[tuple] = []
             min_wire = 0
             for bi, (b, holders) in enumerate(self.dst_boxes):
-                for gi, (d, group) in enumerate(self._groups(holders)):
-                    e, outside = self._group_entries(bi, b, gi, d, group)
+                for d, group in self._groups(holders):
+                    e, outside = self._group_entries(bi, b, d, group)
                     entries.extend(e)
                     min_wire += outside
-            self._entries = entries
+            self._entries = [(s, d, b, p, n, k) for k, (s, d, b, p, n) in enumerate(entries)]
             self._min_wire = min_wire
             self._n = _lcm(len(e[0]) for e in entries)
         return self._entries
@@ -148,25 +145,13 @@ class _Class:
         return [Piece(t, s[(t + k) % len(s)], d, b, p) for s, d, b, p, _n, k in self.entries]
 
     def dst_pieces(self, t: int, rank: int) -> list[Piece]:
-        """The pieces a destination rank receives or forwards, built from its own domain group only."""
-        mine = self._where.get(rank) if self._where is not None else None
-        if mine is None:
-            mine = self._dst_entries(rank)
-        return [Piece(t, s[(t + k) % len(s)], d, b, p) for s, d, b, p, _n, k in mine]
-
-    def _dst_entries(self, rank: int) -> list:
+        """The pieces a destination rank receives or forwards."""
         if self._where is None:
             self._where = {}
-        box = self.dst_placement.box_of(self.shape, rank)
-        bi = next((i for i, (b, _h) in enumerate(self.dst_boxes) if b == box), None)
-        mine: list = []
-        if bi is not None:  # None: an empty box, nothing to receive
-            d = self.dom[rank]
-            gi, group = next((gi, g) for gi, (dd, g) in enumerate(self._groups(self.dst_boxes[bi][1])) if dd == d)
-            entries, _ = self._group_entries(bi, box, gi, d, group)
-            mine = [e for e in entries if e[1] == rank or (e[3] == 1 and e[0][0] == rank)]
-        self._where[rank] = mine
-        return mine
+        mine = self._where.get(rank)
+        if mine is None:
+            mine = self._where[rank] = [e for e in self.entries if e[1] == rank or (e[3] == 1 and e[0][0] == rank)]
+        return [Piece(t, s[(t + k) % len(s)], d, b, p) for s, d, b, p, _n, k in mine]
 
     def rank_pieces(self, t: int, rank: int) -> list[Piece]:
         """Pieces of tensor t that `rank` sends or receives (a scan of the class's entries)."""
@@ -309,7 +294,7 @@ class Plan:
         c = self._classes.get(key)
         if c is None:
             c = self._classes[key] = _Class(shape, self._unique_boxes(shape, sp), self._unique_boxes(shape, dp),
-                                            self._dom, self.dst.ranks, dp, self._recv_doms)
+                                            self._dom, self.dst.ranks, self._recv_doms)
         return c
 
     def _unique_boxes(self, shape: tuple, p: Placement) -> list:

@@ -27,9 +27,9 @@ from reshard_cli.layout import Layout
 from reshard_cli.models import _SAFETENSORS_DTYPES
 from reshard_cli.sources import Source, open_source
 
-# Elements per block (256 Ki): the file's block, the source's block and the int64 temporaries of the
-# synthetic values and the checksum (2 MiB each) stay in cache, and far under 256 MiB at any tensor size.
-BLOCK_ELEMS = 1 << 18
+# Elements per block (1 Mi): the file's block, the source's block and the float64 temporaries of the
+# checksum (8 MiB) stay far under 256 MiB at any tensor size, with few enough blocks to keep overhead low.
+BLOCK_ELEMS = 1 << 20
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.geometry import Box
 from reshard_cli.layout import Layout, Mesh, Placement, load_layout
 from reshard_cli.models import Manifest, TensorSpec
 from reshard_cli.plan import DEFAULT_RESHARD_MATCH, Plan

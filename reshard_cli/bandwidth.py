@@ -62,14 +62,12 @@ def gpu_rows(nbytes: int, repeats: int = REPEATS) -> list[dict]:
                          _best(lambda: dev.copy_(host, non_blocking=True), sync(i), repeats)))
         rows.append(_row("device->host pinned", f"cuda:{i}", "cpu", nbytes,
                          _best(lambda: host.copy_(dev, non_blocking=True), sync(i), repeats)))
-        del host, dev
     for i in range(n):
         for j in range(i + 1, n):
             a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}")
             b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{j}")
             rows.append(_row("device->device", f"cuda:{i}", f"cuda:{j}", nbytes,
                              _best(lambda: b.copy_(a, non_blocking=True), sync(i, j), repeats)))
-            del a, b
     return rows
 
 

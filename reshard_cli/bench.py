@@ -38,7 +38,6 @@ import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -350,7 +349,7 @@ def _say(msg: str) -> None:
 
 
 def worker(opts: BenchOptions) -> None:
-    from reshard_cli.run import Reported, _pick_backend
+    from reshard_cli.run import Reported, _pick_backend, start_process_group
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     workdir = Path(tempfile.mkdtemp(prefix="reshard-bench-"))
@@ -368,11 +367,7 @@ def worker(opts: BenchOptions) -> None:
             if rank == 0:
                 raise
             raise Reported(str(e), e.exit_code) from None
-        device = torch.device("cpu")
-        if backend == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=timedelta(seconds=opts.timeout))
+        device = start_process_group(backend, opts.timeout)
         try:
             doc = _run_suite(suite, opts, rank, world, device)
         finally:

@@ -5,7 +5,6 @@ Every ReshardError becomes one line on stderr and its exit code (2: bad input, 1
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional

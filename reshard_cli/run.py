@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
-from reshard_cli.geometry import Box
-from reshard_cli.layout import Layout, load_pair
+from reshard_cli.layout import load_pair
 from reshard_cli.plan import DEFAULT_RESHARD_MATCH, Plan
 from reshard_cli.topo import NO_TOPOLOGY, load_topology
 from reshard_cli.transport import Engine, Shard
@@ -117,6 +116,16 @@ def _pick_backend(choice: str) -> str:
     return "nccl" if gpus >= local else "gloo"
 
 
+def start_process_group(backend: str, timeout: float) -> torch.device:
+    """Join the job's process group; returns the device this rank works on (its GPU under nccl)."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    return device
+
+
 def _all_ok(stage: str, error: BaseException | None) -> None:
     """Collective: if any rank failed `stage`, every rank raises one error naming each failed rank."""
     msg = None if error is None else f"{error}"
@@ -150,11 +159,7 @@ def worker(opts: RunOptions) -> dict | None:
         if rank == 0:
             raise
         raise Reported(str(e), e.exit_code) from None
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=opts.timeout))
+    device = start_process_group(backend, opts.timeout)
     try:
         if auto:  # --topology auto: ranks whose GPUs (or CPU host) report the same NVML domain key share a domain
             from reshard_cli import nvml

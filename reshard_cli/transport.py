@@ -18,7 +18,6 @@ memory cost and count as staging.
 from __future__ import annotations
 
 import os
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple

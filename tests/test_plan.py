@@ -1,6 +1,4 @@
 """Planner: exact coverage of every destination box, rank views, minimum wire bytes, balance, baseline."""
-import itertools
-
 import pytest
 import torch
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.report import fmt_bytes, table
+from reshard_cli.run import SENTINEL_BYTE  # destination buffers start as this pattern, as in run
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("reshard", "hybrid", "broadcast", "dcp")
@@ -53,7 +54,6 @@ ENGINE_MODES = ("reshard", "hybrid", "broadcast")
 CASE_KEYS = ("name", "src", "dst", "scale", "bucket_mb", "topology", "reshard_match")
 SUITE_KEYS = ("name", "description", "cases", "sweep")
 RESULT_ENV = "_RESHARD_BENCH_RESULT"  # set by the launcher: worker rank 0 leaves its figures there
-SENTINEL_BYTE = 0xA5
 LINK_CHUNK = 64 << 20  # largest single raw message of the link test
 EXPECTED_CACHE_BYTES = 2 << 30  # keep expected destination values between modes up to this much per rank
 

@@ -1,3 +1,5 @@
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -91,3 +93,17 @@ def write_pair(tmp_path: Path, name: str) -> tuple[Path, Path]:
 def small_model(tmp_path):
     (tmp_path / "model.yaml").write_text(SMALL_MODEL)
     return tmp_path / "model.yaml"
+
+
+def call_main(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:
+    """The console script's function itself (`reshard = reshard_cli.cli:main`) in this process, with a patched
+    argv; returns what a subprocess run would (exit code, stdout, stderr)."""
+    from reshard_cli.cli import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["reshard", *map(str, args)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    out = capsys.readouterr()
+    code = info.value.code if isinstance(info.value.code, int) else (0 if info.value.code is None else 1)
+    return subprocess.CompletedProcess(args, code, out.out, out.err)

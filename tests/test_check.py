@@ -2,14 +2,12 @@
 layout's boxes, checked as they are and after each kind of damage."""
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import PAIRS, ROOT, write_pair
+from conftest import PAIRS, ROOT, call_main, write_pair
 from reshard_cli import sinks, verify
 from reshard_cli.check import blocks, check_output
 from reshard_cli.geometry import Box
@@ -40,18 +38,6 @@ def make_output(src, dst, out, seed=0):
     sinks.write_manifest(out, sinks.build_manifest(src_l, dst_l, entries))
     return src_l, dst_l
 
-
-def call_main(monkeypatch, capsys, *args):
-    """The console script's `main()` in this process, with a patched argv."""
-    from reshard_cli.cli import main
-
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "argv", ["reshard", *map(str, args)])
-    with pytest.raises(SystemExit) as info:
-        main()
-    out = capsys.readouterr()
-    code = info.value.code if isinstance(info.value.code, int) else (0 if info.value.code is None else 1)
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, call_main
 
 TRAIN = "examples/cpu/train.yaml"
 INFER = "examples/cpu/infer.yaml"
@@ -29,18 +29,6 @@ def ok(proc):
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
     return proc
 
-
-def call_main(monkeypatch, capsys, *args):
-    """The console script's function itself (`reshard = reshard_cli.cli:main`), in this process."""
-    from reshard_cli.cli import main
-
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "argv", ["reshard", *map(str, args)])
-    with pytest.raises(SystemExit) as info:
-        main()
-    out = capsys.readouterr()
-    code = info.value.code if isinstance(info.value.code, int) else (0 if info.value.code is None else 1)
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 # One node: `reshard run` under torchrun, with as many processes as the two layouts use.
 #
 #   launchers/local.sh --src TRAIN.yaml --dst INFER.yaml [run options]
-#   e.g. launchers/local.sh --src examples/cpu/train.yaml --dst examples/cpu/infer.yaml --quiet
+#   e.g. launchers/local.sh --src layouts/demo/train.yaml --dst layouts/demo/infer.yaml --quiet
 #
 # The process count is the highest global rank of either layout + 1 (src ranks from 0, dst right after);
 # every process runs `python -m reshard_cli run ARGS` as a torchrun worker (ranks beyond the two groups idle).
@@ -22,7 +22,7 @@ if [ $# -eq 0 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
 fi
 
 # the process count from the layouts (a bad layout is a one-line error, exit 2)
-N=$("$PYTHON" -m reshard_cli.launch world-size "$@")
+N=$("$PYTHON" -m reshard_cli.transfer.dryrun world-size "$@")
 
 # torchrun == python -m torch.distributed.run; the module form keeps the same interpreter as above
 # shellcheck disable=SC2086

@@ -24,23 +24,14 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks ins
     _state["debug"] = debug
 
 
-SrcOpt = typer.Option(..., "--src", help="Trainer (source) layout YAML.")
-DstOpt = typer.Option(..., "--dst", help="Inference (destination) layout YAML.")
-TopoOpt = typer.Option(None, "--topology", help="Topology YAML (which ranks share an NVLink domain).")
+SrcOpt = typer.Option(..., "--src", help="Trainer (source) layout: a YAML path or a bundled name "
+                                        "(e.g. deepseek-v3/megatron-pp16-ep16, demo/train).")
+DstOpt = typer.Option(..., "--dst", help="Inference (destination) layout: a YAML path or a bundled name.")
+TopoOpt = typer.Option(None, "--topology", help="Topology YAML or bundled name (dgx-h100, gb200-nvl72): which "
+                                                "ranks share an NVLink domain.")
 ModeOpt = typer.Option("hybrid", "--mode", help="reshard | broadcast | hybrid (FFN/expert weights by reshard).")
 MatchOpt = typer.Option(None, "--reshard-match", help="Regex of tensors that take the reshard path in hybrid mode.")
 ScaleOpt = typer.Option(1, "--scale", min=1, help="Grow a bundled model's FFN/expert widths N-fold (benchmarks).")
-
-
-def _build_plan(src: Path, dst: Path, topology: Optional[Path], mode: str, reshard_match: Optional[str],
-                scale: int = 1):
-    from reshard_cli.layout import load_pair
-    from reshard_cli.plan import DEFAULT_RESHARD_MATCH, Plan
-    from reshard_cli.topo import NO_TOPOLOGY, load_topology
-
-    src_l, dst_l = load_pair(src, dst, scale=scale)
-    topo = load_topology(topology) if topology else NO_TOPOLOGY
-    return Plan(src_l, dst_l, topo, mode=mode, reshard_match=reshard_match or DEFAULT_RESHARD_MATCH)
 
 
 @app.command()
@@ -50,24 +41,21 @@ def plan(
     topology: Optional[Path] = TopoOpt,
     mode: str = ModeOpt,
     reshard_match: Optional[str] = MatchOpt,
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures and every piece as JSON."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the summary figures as JSON (with --rank: "
+                                            "that rank's pieces and broadcasts)."),
+    pieces_out: Optional[Path] = typer.Option(None, "--pieces", help="Stream every piece and broadcast to this file "
+                                              "as JSON Lines (.gz: compressed)."),
     rank: Optional[int] = typer.Option(None, "--rank", help="Show only what this global rank sends and receives."),
     scale: int = ScaleOpt,
 ):
     """Show what a refit between two layouts moves, and what it costs, before any GPU is touched."""
     import time
 
-    from reshard_cli.report import fmt_bytes, plan_text, table
-    from reshard_cli.report import write_json as _write
-
-    def write_json(path, doc):  # an unwritable --json path is bad input (exit 2), not an internal error
-        try:
-            _write(path, doc)
-        except OSError as e:
-            raise ConfigError(f"cannot write {path}: {e.strerror or e}", key="--json") from None
+    from reshard_cli.plan.planner import Plan
+    from reshard_cli.report import fmt_bytes, plan_text, table, write_json_option, write_pieces
 
     t0 = time.perf_counter()
-    p = _build_plan(src, dst, topology, mode, reshard_match, scale)
+    p = Plan.build(src, dst, topology=topology, mode=mode, reshard_match=reshard_match, scale=scale)
     t_layout = time.perf_counter() - t0
     if rank is not None:
         if rank not in p.src.ranks and rank not in p.dst.ranks:
@@ -77,36 +65,36 @@ def plan(
         view = p.rank_view(rank)
         dt = time.perf_counter() - t1
         names = p.src.manifest.tensors
-        rows = []
-        for pc in view.pieces:
-            item = names[pc.tensor].nbytes // max(names[pc.tensor].numel, 1)
-            rows.append([names[pc.tensor].name, pc.src, pc.dst, str(pc.box), "fwd" if pc.phase else "net",
-                         fmt_bytes(pc.box.numel * item)])
+        rows = [[names[pc.tensor].name, pc.src, pc.dst, str(pc.box), "fwd" if pc.phase else "net",
+                 fmt_bytes(pc.box.numel * names[pc.tensor].itemsize)] for pc in view.pieces]
         typer.echo(f"rank {rank}: {len(view.pieces)} pieces, {len(view.bcasts)} broadcasts (planned in {dt * 1e3:.1f} ms)")
         if rows:
             typer.echo(table(["tensor", "src", "dst", "box", "phase", "bytes"], rows[:200]))
             if len(rows) > 200:
                 typer.echo(f"  ... {len(rows) - 200} more (use --json)")
         if json_out:
-            write_json(json_out, {"rank": rank, "plan_seconds": dt,
-                                  "pieces": [_piece_json(p, pc) for pc in view.pieces],
-                                  "broadcasts": [_bcast_json(p, b) for b in view.bcasts]})
+            write_json_option("--json", json_out, {"rank": rank, "plan_seconds": dt,
+                                                   "pieces": [_piece_json(p, pc) for pc in view.pieces],
+                                                   "broadcasts": [_bcast_json(p, b) for b in view.bcasts]})
+        if pieces_out:
+            n = write_pieces(pieces_out, p, view.pieces, view.bcasts)
+            typer.echo(f"  wrote {pieces_out} ({n} lines)")
         return
     stats = p.stats()
     stats["layout_seconds"] = t_layout
     typer.echo(plan_text(stats))
-    from reshard_cli.cost import plan_prediction  # predicted seconds per mode + lower bound (topology links)
+    from reshard_cli.plan.cost import plan_prediction  # predicted seconds per mode + lower bound (topology links)
 
     cost_text, cost_doc = plan_prediction(p)
     if cost_text:
         typer.echo(cost_text)
     stats.update(cost_doc)
-    if json_out:
-        doc = dict(stats)
-        doc["pieces"] = [_piece_json(p, pc) for pc in p.pieces()]
-        doc["broadcasts"] = [_bcast_json(p, b) for b in p.bcasts()]
-        write_json(json_out, doc)
+    if json_out:  # the summary: its size does not grow with the number of pieces
+        write_json_option("--json", json_out, stats)
         typer.echo(f"  wrote {json_out}")
+    if pieces_out:
+        n = write_pieces(pieces_out, p, p.pieces(), p.bcasts())
+        typer.echo(f"  wrote {pieces_out} ({n} lines)")
 
 
 def _piece_json(p, pc) -> dict:
@@ -144,13 +132,14 @@ def run(
 ):
     """Move the weights: starts torchrun itself, or runs as one of its workers."""
     if dry_run:  # before torch is imported: a laptop checks a 256-GPU job in a second
-        from reshard_cli import launch
+        from reshard_cli.transfer import dryrun as launch
 
         typer.echo(launch.dry_run(launch.LaunchOptions(src=src, dst=dst, topology=topology, scale=scale,
                                                        argv=sys.argv[1:])))
         return
-    from reshard_cli import run as run_mod
-    from reshard_cli.report import write_json
+    from reshard_cli.report import write_json_option
+    from reshard_cli.transfer import run as run_mod
+    from reshard_cli.transfer.launcher import under_torchrun
 
     opts = run_mod.RunOptions(src=src, dst=dst, topology=topology, mode=mode, reshard_match=reshard_match,
                               backend=backend, bucket_mb=bucket_mb, source=source, out=out, overwrite=overwrite,
@@ -160,8 +149,8 @@ def run(
         raise ConfigError("must be >= 1", key="--iters")
     if bucket_mb <= 0:
         raise ConfigError("must be > 0", key="--bucket-mb")
-    if not run_mod.under_torchrun():
-        run_mod.launch(opts)
+    if not under_torchrun():
+        run_mod.launch_run(opts)
         return
     doc = run_mod.worker(opts)
     if doc is None:  # not rank 0
@@ -169,7 +158,7 @@ def run(
     typer.echo(doc.pop("_text"))
     failed = doc.pop("_failed", False)
     if json_out:
-        write_json(json_out, doc)
+        write_json_option("--json", json_out, doc)
     if failed:
         from reshard_cli.errors import RuntimeFailure
 
@@ -187,19 +176,16 @@ def check(
     scale: int = ScaleOpt,
 ):
     """Check an output directory against its source, element by element, without torchrun."""
-    from reshard_cli.check import check_output
     from reshard_cli.errors import RuntimeFailure
-    from reshard_cli.layout import load_pair
-    from reshard_cli.report import write_json
+    from reshard_cli.io.check import check_output
+    from reshard_cli.report import write_json_option
+    from reshard_cli.spec.layout import load_pair
 
     src_l, dst_l = load_pair(src, dst, scale=scale)
     result = check_output(src_l, dst_l, out, source)
     typer.echo(result.text())
     if json_out:
-        try:
-            write_json(json_out, result.to_json())
-        except OSError as e:
-            raise ConfigError(f"cannot write {json_out}: {e.strerror or e}", key="--json") from None
+        write_json_option("--json", json_out, result.to_json())
     if not result.ok:
         bad = sorted({p.rank for p in result.problems if p.rank is not None})
         where = f" on rank{'s' if len(bad) != 1 else ''} {', '.join(map(str, bad[:8]))}" if bad else ""
@@ -220,8 +206,8 @@ def topo(
     """Show this host's GPUs and NVLink domains (NVML); under torchrun, every host of the job."""
     import yaml
 
-    from reshard_cli import nvml
-    from reshard_cli.bandwidth import topo_text
+    from reshard_cli.hw import nvml
+    from reshard_cli.hw.bandwidth import topo_text
     from reshard_cli.report import write_json
 
     def write(path: Path, fn) -> None:
@@ -230,9 +216,9 @@ def topo(
         except OSError as e:
             raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
 
-    from reshard_cli.run import under_torchrun
+    from reshard_cli.transfer.launcher import under_torchrun
     if under_torchrun():
-        from reshard_cli.bandwidth import job_topology
+        from reshard_cli.hw.bandwidth import job_topology
         job = job_topology(bandwidth=bandwidth, mb=bandwidth_mb)
         if job is None:  # not rank 0
             return
@@ -246,7 +232,7 @@ def topo(
     typer.echo(topo_text(d), nl=False)
     doc = nvml.to_json(d)
     if bandwidth:
-        from reshard_cli.bandwidth import bandwidth_table, measure
+        from reshard_cli.hw.bandwidth import bandwidth_table, measure
         rows = measure(mb=bandwidth_mb)
         typer.echo(bandwidth_table(rows))
         doc["bandwidth"] = rows

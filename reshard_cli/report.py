@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
+
+from reshard_cli.errors import ConfigError
+from reshard_cli.io.files import atomic_write, atomic_write_text
 
 
 def fmt_bytes(n: float) -> str:
@@ -71,9 +73,52 @@ def _over(actual: float, ideal: float) -> str:
 
 def write_json(path: str | Path, doc: dict) -> None:
     """Write atomically (temp file + rename) so a reader never sees half a file."""
+    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+
+
+def write_json_option(option: str, path: str | Path, doc: dict) -> None:
+    """`write_json` for a command-line option: an unwritable path is bad input (exit 2) naming the option."""
+    try:
+        write_json(path, doc)
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}", key=option) from None
+
+
+PIECES_FORMAT = "reshard-pieces/1"
+
+
+def write_pieces(path: str | Path, plan, pieces: Iterable, bcasts: Iterable) -> int:
+    """Stream a plan's pieces to `path` as JSON Lines (gzip when it ends in .gz); returns the line count.
+
+    Line 1 is a header: format, layouts, mode, the tensor names (pieces refer to them by index) and the
+    destination group every broadcast goes to. Then one compact array per line, so the file can be read
+    in a stream at 10^8 pieces:
+        ["p", tensor, src, dst, phase, [offsets], [sizes]]             a reshard-path piece
+        ["b", tensor, root, [[src, [offsets], [sizes]], ...]]          a gather -> broadcast
+    """
+    import gzip
+
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    header = {"format": PIECES_FORMAT, "src": plan.src.name, "dst": plan.dst.name, "mode": plan.mode,
+              "topology": plan.topology.describe(), "tensors": [t.name for t in plan.src.manifest.tensors],
+              "broadcast_receivers": list(plan.dst.ranks)}
+    n = 1
+
+    def write(tmp: str) -> None:
+        nonlocal n
+        with opener(tmp, "wt") as f:
+            f.write(json.dumps(header) + "\n")
+            dumps = json.JSONEncoder(separators=(",", ":")).encode
+            for pc in pieces:
+                f.write(dumps(["p", pc.tensor, pc.src, pc.dst, pc.phase, pc.box.offsets, pc.box.sizes]) + "\n")
+                n += 1
+            for b in bcasts:
+                f.write(dumps(["b", b.tensor, b.root, [[s, a.offsets, a.sizes] for s, a in b.gather]]) + "\n")
+                n += 1
+
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}", key="--pieces") from None
+    return n

@@ -9,8 +9,8 @@ from dist_util import run_ranks
 
 
 def _live(rank, world, src_path, dst_path):
-    from reshard_cli.api import Refit
-    from reshard_cli.layout import load_pair
+    from reshard_cli.transfer.live import Refit
+    from reshard_cli.spec.layout import load_pair
 
     src, dst = load_pair(src_path, dst_path)
     man = src.manifest.tensors

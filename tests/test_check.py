@@ -8,13 +8,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import PAIRS, ROOT, call_main, write_pair
-from reshard_cli import sinks, verify
-from reshard_cli.check import blocks, check_output
-from reshard_cli.geometry import Box
-from reshard_cli.layout import load_pair
-from reshard_cli.sources import synthetic_values
+from reshard_cli.io import sinks
+from reshard_cli.transfer import verify
+from reshard_cli.io.check import blocks, check_output
+from reshard_cli.plan.geometry import Box
+from reshard_cli.spec.layout import load_pair
+from reshard_cli.io.sources import synthetic_values
 
-TRAIN, INFER = ROOT / "examples/cpu/train.yaml", ROOT / "examples/cpu/infer.yaml"
+TRAIN, INFER = ROOT / "layouts/demo/train.yaml", ROOT / "layouts/demo/infer.yaml"
 
 
 def make_output(src, dst, out, seed=0):

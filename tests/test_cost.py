@@ -8,16 +8,16 @@ import sys
 import pytest
 
 from conftest import ROOT
-from reshard_cli import cost
-from reshard_cli.layout import load_pair
-from reshard_cli.plan import MODES, Plan
-from reshard_cli.topo import Topology, load_topology
+from reshard_cli.plan import cost
+from reshard_cli.spec.layout import load_pair
+from reshard_cli.plan.planner import MODES, Plan
+from reshard_cli.spec.topology import Topology, load_topology
 
 MiB = 1 << 20
 LINKS = {"network_gbps": 1.0, "nvlink_gbps": 10.0, "latency_us": 100.0}
 
 BUNDLED = [
-    ("examples/cpu/train.yaml", "examples/cpu/infer.yaml"),
+    ("layouts/demo/train.yaml", "layouts/demo/infer.yaml"),
     ("layouts/qwen3-30b-a3b/megatron-tp2-ep4-pp2.yaml", "layouts/qwen3-30b-a3b/vllm-tp4-dp4.yaml"),
     ("layouts/qwen3-235b-a22b/megatron-tp2-cp2-pp4-ep16.yaml", "layouts/qwen3-235b-a22b/vllm-tp8-dp8.yaml"),
     ("layouts/deepseek-v3/megatron-pp16-ep16.yaml", "layouts/deepseek-v3/vllm-tp32-dp8.yaml"),

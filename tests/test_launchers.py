@@ -9,13 +9,13 @@ import sys
 import pytest
 
 from conftest import ROOT
-from reshard_cli import launch
+from reshard_cli.transfer import dryrun as launch
 from reshard_cli.errors import ConfigError
-from reshard_cli.layout import load_pair
-from reshard_cli.topo import load_topology
+from reshard_cli.spec.layout import load_pair
+from reshard_cli.spec.topology import load_topology
 
-TRAIN = "examples/cpu/train.yaml"
-INFER = "examples/cpu/infer.yaml"
+TRAIN = "layouts/demo/train.yaml"
+INFER = "layouts/demo/infer.yaml"
 DS_SRC = "layouts/deepseek-v3/megatron-pp16-ep16.yaml"
 DS_DST = "layouts/deepseek-v3/vllm-tp32-dp8.yaml"
 DGX = "layouts/topologies/dgx-h100.yaml"

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.nvml import (Discovery, HostInfo, discover, domains_from_keys, format_cpu_list,
+from reshard_cli.hw.nvml import (Discovery, HostInfo, discover, domains_from_keys, format_cpu_list,
                               normalize_bus_id, rank_domain_key, render, to_json, to_topology)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvml"

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from conftest import PAIRS, ROOT, write_pair
-from reshard_cli.layout import load_pair
-from reshard_cli.plan import Plan
-from reshard_cli.topo import Topology
+from reshard_cli.spec.layout import load_pair
+from reshard_cli.plan.planner import Plan
+from reshard_cli.spec.topology import Topology
 
 TOPOLOGIES = [Topology(), Topology(name="pairs", ranks_per_domain=2), Topology(name="all", ranks_per_domain=64)]
 
@@ -108,3 +108,25 @@ def test_bundled_30b_pair_balanced(dst_name):
     view = plan.rank_view(r)
     assert view.pieces and view.bcasts
     assert all(r in (p.src, p.dst) for p in view.pieces)
+
+
+@pytest.mark.parametrize("pair", ["tp2_to_tp3", "pp2_ep2_to_dp2_tp2", "nested_dp_to_ep"])
+@pytest.mark.parametrize("bucket,direct", [(256, 64), (1 << 20, 1 << 30), (64, 0)])
+def test_schedule_ends_agree(tmp_path, pair, bucket, direct):
+    """Every message one rank's schedule sends is received by its peer's schedule under the same key, with
+    the same length, and each rank's ops are in key order (the deadlock-freedom argument's premise)."""
+    from reshard_cli.plan import schedule
+
+    src_path, dst_path = write_pair(tmp_path, pair)
+    src, dst = load_pair(src_path, dst_path)
+    opts = schedule.TransferOptions(bucket_bytes=bucket, direct_min_bytes=direct)
+    for rpd in (None, 2):
+        plan = Plan(src, dst, Topology(name="t", ranks_per_domain=rpd) if rpd else Topology(), mode="reshard")
+        sends, recvs = {}, {}
+        for rank in src.ranks + dst.ranks:
+            ops = schedule.rank_ops(plan, rank, opts)
+            assert [o.key for o in ops] == sorted(o.key for o in ops)
+            for o in ops:
+                (sends if o.send else recvs)[(o.key, rank if o.send else o.peer, o.peer if o.send else rank)] = o.nbytes
+        assert sends == recvs and sends
+        assert all(n <= max(bucket // 2, schedule.ALIGN) or direct <= n for n in sends.values())

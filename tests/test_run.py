@@ -10,13 +10,15 @@ from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, write_pair
 
-TRAIN, INFER = ROOT / "examples/cpu/train.yaml", ROOT / "examples/cpu/infer.yaml"
+TRAIN, INFER = ROOT / "layouts/demo/train.yaml", ROOT / "layouts/demo/infer.yaml"
 
 
-def reshard(*args, env=None, timeout=240):
+def reshard(*args, faults=None, timeout=240):
+    """`reshard ARGS` as a user runs it; with `faults`, through tests/faults.py, which injects them in the
+    workers through the run's hooks."""
+    entry = ["-m", "reshard_cli"] if faults is None else [str(ROOT / "tests" / "faults.py"), faults]
     e = dict(os.environ, CI="true")
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "reshard_cli", *map(str, args)], cwd=ROOT, env=e,
+    return subprocess.run([sys.executable, *entry, *map(str, args)], cwd=ROOT, env=e,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -54,7 +56,7 @@ def test_demo_run_out_json_and_feed_back(tmp_path):
 def test_injected_faults_are_caught(tmp_path, faults):
     out = tmp_path / "out"
     r = reshard("run", "--src", TRAIN, "--dst", INFER, "--quiet", "--no-link-test", "--out", out,
-                env={"RESHARD_FAULT": faults})
+                faults=faults)
     assert r.returncode == 1
     assert r.stdout.count("WRONG") == 2, r.stdout
     assert "verification failed" in r.stderr
@@ -64,7 +66,7 @@ def test_injected_faults_are_caught(tmp_path, faults):
 def test_dead_rank_fails_every_rank(tmp_path):
     out = tmp_path / "out"
     r = reshard("run", "--src", TRAIN, "--dst", INFER, "--quiet", "--no-link-test", "--timeout", "30",
-                "--out", out, env={"RESHARD_FAULT": "die:1"})
+                "--out", out, faults="die:1")
     assert r.returncode == 1
     assert "worker rank 1 died" in r.stderr
     assert "Traceback" not in r.stderr
@@ -74,9 +76,9 @@ def test_dead_rank_fails_every_rank(tmp_path):
 def test_checkpoint_source_and_bad_checkpoint(tmp_path):
     """A safetensors checkpoint in, on a small model; a wrong checkpoint stops before any transfer."""
     src, dst = write_pair(tmp_path, "tp2_to_tp3")
-    from reshard_cli.layout import load_layout
-    from reshard_cli.sources import synthetic_values
-    from reshard_cli.geometry import Box
+    from reshard_cli.spec.layout import load_layout
+    from reshard_cli.io.sources import synthetic_values
+    from reshard_cli.plan.geometry import Box
 
     man = load_layout(src).manifest
     full = {s.name: synthetic_values(t, Box.full(s.shape), s.shape, getattr(torch, s.dtype), 7) + 0

@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import PAIRS, SMALL_MODEL, write_pair
-from reshard_cli import sinks
+from reshard_cli.io import sinks
 from reshard_cli.errors import ConfigError, RuntimeFailure
-from reshard_cli.geometry import Box
-from reshard_cli.layout import load_layout, load_pair
-from reshard_cli.sources import (DcpSource, SafetensorsSource, ShardsSource, SyntheticSource, open_source,
+from reshard_cli.plan.geometry import Box
+from reshard_cli.spec.layout import load_layout, load_pair
+from reshard_cli.io.sources import (DcpSource, SafetensorsSource, ShardsSource, SyntheticSource, open_source,
                                  synthetic_values)
-from reshard_cli.verify import checksum, fmt
+from reshard_cli.transfer.verify import checksum, fmt
 
 # SMALL_MODEL plus an int64 tensor (sharded: its name matches the `embed` rules), a 0-d int64 and a bool.
 EXT_MODEL = SMALL_MODEL.rstrip("\n") + """
@@ -465,7 +465,7 @@ def test_shards_reads_replicas_once(tmp_path, monkeypatch):
     out = tmp_path / "out"
     write_shards(tmp_path, src, dst, ref, out)
     s = open_source("shards:" + str(out), src)
-    import reshard_cli.sources as sources
+    import reshard_cli.io.sources as sources
     calls = []
     real = sources._read_slice
 

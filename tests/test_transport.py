@@ -17,10 +17,12 @@ def reference(manifest):
 
 
 def _refit(rank, world, src_path, dst_path, modes, topologies, bucket_bytes):
-    from reshard_cli.layout import load_pair
-    from reshard_cli.plan import Plan
-    from reshard_cli.topo import Topology
-    from reshard_cli.transport import Engine, Shard
+    from reshard_cli.spec.layout import load_pair
+    from reshard_cli.plan.planner import Plan
+    from reshard_cli.spec.topology import Topology
+    from reshard_cli.plan.schedule import TransferOptions
+    from reshard_cli.transfer.engine import Engine
+    from reshard_cli.transfer.shards import LocalShard
 
     src, dst = load_pair(src_path, dst_path)
     ref = reference(src.manifest)
@@ -34,14 +36,14 @@ def _refit(rank, world, src_path, dst_path, modes, topologies, bucket_bytes):
             for t, spec in enumerate(man):
                 if rank in src.placements[t].holder_set:
                     box = src.placements[t].box_of(spec.shape, rank)
-                    src_shards[t] = Shard(box, ref[t][box.slices()].clone())
+                    src_shards[t] = LocalShard(box, ref[t][box.slices()].clone())
                 if rank in dst.placements[t].holder_set:
                     box = dst.placements[t].box_of(spec.shape, rank)
                     buf = torch.empty(box.sizes, dtype=ref[t].dtype)
                     if buf.numel():
                         buf.reshape(-1).view(torch.uint8).fill_(0xA5)
-                    dst_shards[t] = Shard(box, buf)
-            engine = Engine(plan, rank, src_shards, dst_shards, bucket_bytes=bucket_bytes)
+                    dst_shards[t] = LocalShard(box, buf)
+            engine = Engine(plan, rank, src_shards, dst_shards, options=TransferOptions(bucket_bytes=bucket_bytes))
             engine.setup_groups()
             for _ in range(2):  # a second refit reuses the plan and buffers
                 engine.run_reshard()

@@ -20,19 +20,17 @@ from typing import Any, Iterator
 
 import torch
 
-from reshard_cli import sinks, verify
+from reshard_cli.io import sinks
+from reshard_cli.transfer import verify
 from reshard_cli.errors import ConfigError
-from reshard_cli.geometry import Box
-from reshard_cli.layout import Layout
-from reshard_cli.models import _SAFETENSORS_DTYPES
-from reshard_cli.sources import Source, open_source
+from reshard_cli.plan.geometry import Box
+from reshard_cli.spec.layout import Layout
+from reshard_cli.spec.models import _SAFETENSORS_DTYPES
+from reshard_cli.io.sources import Source, open_source
 
 # Elements per block (1 Mi): the file's block, the source's block and the float64 temporaries of the
 # checksum (8 MiB) stay far under 256 MiB at any tensor size, with few enough blocks to keep overhead low.
 BLOCK_ELEMS = 1 << 20
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 @dataclass
 class Problem:
@@ -139,15 +137,6 @@ def blocks(sizes: tuple[int, ...], max_elems: int = BLOCK_ELEMS) -> Iterator[tup
             yield outer + (a,) + (0,) * (n - d - 1), (1,) * d + (min(step, sizes[d] - a),) + tuple(sizes[d + 1:])
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of each element as one integer (equal iff the bytes are equal)."""
-    flat = x.reshape(-1)
-    item = flat.element_size()
-    if item in _INT_VIEW:
-        return flat.view(_INT_VIEW[item])
-    return flat.view(torch.uint8).view(-1, item)
-
-
 def _unravel(flat: int, sizes: tuple[int, ...]) -> list[int]:
     out = []
     for s in reversed(sizes):
@@ -246,8 +235,7 @@ def _check_rank(i: int, grank: int, entry: dict | None, out: Path, src: Source, 
     def problem(kind: str, message: str, tensor: str | None = None, **kw) -> None:
         result.problems.append(Problem(kind, message, index=i, rank=grank, tensor=tensor, **kw))
 
-    expected = {man[t].name: (t, p.box_of(man[t].shape, grank))
-                for t, p in enumerate(dst_l.placements) if grank in p.holder_set}
+    expected = {man[t].name: (t, box) for t, box in dst_l.held(grank)}
     # 1. the manifest's entry against the dst layout
     listed: dict = {}
     if entry is None:
@@ -342,11 +330,8 @@ def _compare(sl, src: Source, t_src: int, box: Box, shape: tuple, block_elems: i
         sub = Box(tuple(o + a for o, a in zip(box.offsets, offs)), sizes)
         got = sl[tuple(slice(a, a + s) for a, s in zip(offs, sizes))]
         want = src.read(t_src, sub)
-        a, b = _bits(got), _bits(want)
-        if not torch.equal(a, b):  # only then count and locate the differing elements
-            diff = a != b
-            if diff.dim() > 1:
-                diff = diff.any(dim=1)
+        diff = verify.differing(got, want)
+        if diff is not None:  # only then count and locate the differing elements
             n = int(diff.sum())
             if first is None:
                 pos = int(torch.argmax(diff.to(torch.uint8)))

@@ -7,21 +7,20 @@
                                # {file, tensors: {name: {shape, offsets, local_shape, dtype, checksum}}}
 
 Every file is written under a temporary name and renamed into place, so a final name never holds a
-half-written file. `reshard_cli.sources.ShardsSource` reads such a directory back.
+half-written file. `reshard_cli.io.sources.ShardsSource` reads such a directory back.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.layout import Layout
+from reshard_cli.io.files import atomic_write, atomic_write_text
+from reshard_cli.spec.layout import Layout
 
 FORMAT = "reshard-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -69,20 +68,6 @@ def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
             raise ConfigError(f"cannot remove {p.name}: {e.strerror or e}", file=str(out)) from None
 
 
-def _atomic_write(final: Path, write) -> None:
-    """Call `write(tmp_path)`, then rename the temp file to `final`; the temp file is removed on failure."""
-    tmp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        write(str(tmp))
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors, with no two sharing storage (safetensors refuses shared storage)."""
     out: dict[str, torch.Tensor] = {}
@@ -107,7 +92,7 @@ def write_rank_file(out: Path, index: int, tensors: dict[str, torch.Tensor]) -> 
     from safetensors.torch import save_file
     final = Path(out) / rank_file_name(index)
     data = _unshared(tensors)
-    _atomic_write(final, lambda tmp: save_file(data, tmp, metadata={"format": FORMAT, "index": str(index)}))
+    atomic_write(final, lambda tmp: save_file(data, tmp, metadata={"format": FORMAT, "index": str(index)}))
     return final
 
 
@@ -132,15 +117,7 @@ def build_manifest(src: Layout, dst: Layout, ranks: list[dict]) -> dict:
 def write_manifest(out: Path, manifest: dict) -> None:
     """Write out/manifest.json atomically. Call it last, once every rank file is written and verified."""
     final = Path(out) / MANIFEST_NAME
-    text = json.dumps(manifest, indent=1) + "\n"
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    _atomic_write(final, write)
+    atomic_write_text(final, json.dumps(manifest, indent=1) + "\n", fsync=True)
 
 
 def read_manifest(out: Path) -> dict:

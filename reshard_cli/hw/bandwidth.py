@@ -147,7 +147,7 @@ def bandwidth_table(rows: list[dict]) -> str:
 
 def topo_text(d) -> str:
     """`nvml.render(d)`; without NVML, first a line saying so, then the CPU host as one domain."""
-    from reshard_cli import nvml
+    from reshard_cli.hw import nvml
 
     text = nvml.render(d)
     if not d.gpus and d.nvml_error:
@@ -162,9 +162,9 @@ def job_topology(*, bandwidth: bool = False, mb: int = 256) -> dict | None:
     dict); `_text` (what to print) and `_topology` (a Topology) for the CLI."""
     import torch.distributed as dist
 
-    from reshard_cli import nvml
+    from reshard_cli.hw import nvml
     from reshard_cli.errors import ReshardError
-    from reshard_cli.yamlio import format_ranks
+    from reshard_cli.spec.yamlio import format_ranks
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))

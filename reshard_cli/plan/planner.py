@@ -10,7 +10,7 @@ needs no global pass over tensors, so a rank can build just the pieces of the te
 exactly the global plan restricted to itself.
 
 Tensors with equal (shape, src placement, dst placement) form a class; the geometry of a class is computed
-once (`_Class`), and instantiating a tensor only applies the rotation.
+once (`TensorClass`, its pieces as `Entry`s), and instantiating a tensor only applies the rotation.
 
 Broadcast path (baseline, as RL frameworks do it): the full tensor is gathered on one source rank (the root)
 and broadcast to every destination rank; each keeps its slice.
@@ -22,12 +22,13 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.geometry import Box
-from reshard_cli.layout import Layout, Placement
-from reshard_cli.topo import NO_TOPOLOGY, Topology
+from reshard_cli.plan.geometry import Box
+from reshard_cli.spec.layout import Layout, Placement, load_pair
+from reshard_cli.spec.topology import NO_TOPOLOGY, Topology, load_topology
 
 MODES = ("hybrid", "reshard", "broadcast")
 # FFN and expert projections (dense, shared and routed experts; mixtral's w1/w2/w3) take the reshard path.
@@ -50,6 +51,21 @@ class Bcast(NamedTuple):
     receivers: tuple  # destination ranks that hold a non-empty part
 
 
+class Entry(NamedTuple):
+    """One piece of a tensor class, before the rotation picks its sender.
+
+    Tensor t's copy of it goes to `dst` from `senders[(t + key) % len(senders)]`; `key` is the entry's position
+    in the class, so consecutive pieces cycle through the source replicas.
+    """
+
+    senders: tuple  # the source replicas (phase 0) or the one forwarding destination rank (phase 1)
+    dst: int
+    box: Box  # global coordinates
+    phase: int  # 0: from a source rank, 1: forwarded inside a destination domain
+    numel: int
+    key: int
+
+
 class _Loads(NamedTuple):
     """Figures of one tensor class at one rotation residue, in elements (scaled by item size later)."""
 
@@ -61,12 +77,8 @@ class _Loads(NamedTuple):
     recv_all: int = 0  # elements every destination rank receives (broadcast)
 
 
-class _Class:
-    """Geometry shared by every tensor with the same shape and placements.
-
-    Entries are (senders, dst, box, phase, numel, k): the piece goes to `dst` from senders[(t + k) % len(senders)],
-    k being the entry's position in the class, so consecutive pieces cycle through the source replicas.
-    """
+class TensorClass:
+    """Geometry shared by every tensor with the same shape and placements: its `entries` (see `Entry`)."""
 
     def __init__(self, shape: tuple, src_boxes: list, dst_boxes: list, dom: dict, receivers: tuple,
                  recv_doms: frozenset):
@@ -114,7 +126,7 @@ class _Class:
         return entries, from_outside
 
     @property
-    def entries(self) -> list:
+    def entries(self) -> list[Entry]:
         if self._entries is None:
             entries: list[tuple] = []
             min_wire = 0
@@ -123,7 +135,7 @@ class _Class:
                     e, outside = self._group_entries(bi, b, d, group)
                     entries.extend(e)
                     min_wire += outside
-            self._entries = [(s, d, b, p, n, k) for k, (s, d, b, p, n) in enumerate(entries)]
+            self._entries = [Entry(s, d, b, p, n, k) for k, (s, d, b, p, n) in enumerate(entries)]
             self._min_wire = min_wire
             self._n = _lcm(len(e[0]) for e in entries)
         return self._entries
@@ -150,7 +162,8 @@ class _Class:
             self._where = {}
         mine = self._where.get(rank)
         if mine is None:
-            mine = self._where[rank] = [e for e in self.entries if e[1] == rank or (e[3] == 1 and e[0][0] == rank)]
+            mine = self._where[rank] = [e for e in self.entries
+                                             if e.dst == rank or (e.phase == 1 and e.senders[0] == rank)]
         return [Piece(t, s[(t + k) % len(s)], d, b, p) for s, d, b, p, _n, k in mine]
 
     def rank_pieces(self, t: int, rank: int) -> list[Piece]:
@@ -261,14 +274,33 @@ class RankView:
 
 @dataclass
 class Plan:
+    """The refit between two layouts: every piece of the reshard path and every gather→broadcast, per mode.
+
+    Identical on every rank by construction (pure functions of the layouts, topology, mode and match), so
+    each rank can ask only for its own part (`rank_view`) and still agree with its peers.
+    """
+
     src: Layout
     dst: Layout
     topology: Topology = NO_TOPOLOGY
     mode: str = "hybrid"
-    reshard_match: str = DEFAULT_RESHARD_MATCH
+    reshard_match: str | None = None  # None: DEFAULT_RESHARD_MATCH
     paths: tuple = field(init=False)
 
+    @classmethod
+    def build(cls, src: str | Path, dst: str | Path, *, topology: str | Path | Topology | None = None,
+              mode: str = "hybrid", reshard_match: str | None = None, scale: int = 1) -> "Plan":
+        """Load a layout pair (paths or bundled names) and a topology (path, bundled name or object) and plan."""
+        src_l, dst_l = load_pair(src, dst, scale=scale)
+        if topology is None:
+            topology = NO_TOPOLOGY
+        elif not isinstance(topology, Topology):
+            topology = load_topology(topology)
+        return cls(src_l, dst_l, topology, mode=mode, reshard_match=reshard_match)
+
     def __post_init__(self):
+        if self.reshard_match is None:
+            self.reshard_match = DEFAULT_RESHARD_MATCH
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r} (modes: {', '.join(MODES)})", key="--mode")
         try:
@@ -280,24 +312,26 @@ class Plan:
             self.paths = tuple("reshard" if rx.search(t.name) else "broadcast" for t in tensors)
         else:
             self.paths = (self.mode,) * len(tensors)
-        self._classes: dict[tuple, _Class] = {}
-        self._dom = {r: self.topology.domain_of(r) for r in self.src.ranks + self.dst.ranks}
-        self._recv_doms = frozenset(self._dom[r] for r in self.dst.ranks)
+        self._classes: dict[tuple, TensorClass] = {}
+        self.domains = {r: self.topology.domain_of(r) for r in self.src.ranks + self.dst.ranks}  # rank -> domain id
+        self._recv_doms = frozenset(self.domains[r] for r in self.dst.ranks)
         self._boxes: dict[tuple, list] = {}
 
     # ------------------------------------------------------------------------------------ reshard path
 
-    def _class(self, t: int) -> _Class:
+    def tensor_class(self, t: int) -> TensorClass:
+        """The class of tensor `t` (built on first use, shared by every tensor of equal shape and placements)."""
         shape = self.src.manifest.tensors[t].shape
         sp, dp = self.src.placements[t], self.dst.placements[t]
         key = (shape, id(sp), id(dp))
         c = self._classes.get(key)
         if c is None:
-            c = self._classes[key] = _Class(shape, self._unique_boxes(shape, sp), self._unique_boxes(shape, dp),
-                                            self._dom, self.dst.ranks, self._recv_doms)
+            c = self._classes[key] = TensorClass(shape, self.unique_boxes(shape, sp), self.unique_boxes(shape, dp),
+                                                 self.domains, self.dst.ranks, self._recv_doms)
         return c
 
-    def _unique_boxes(self, shape: tuple, p: Placement) -> list:
+    def unique_boxes(self, shape: tuple, p: Placement) -> list[tuple[Box, tuple]]:
+        """The non-empty boxes of a placement, each with the ranks holding it (replicas), first holder first."""
         key = (shape, id(p))
         boxes = self._boxes.get(key)
         if boxes is None:
@@ -306,11 +340,11 @@ class Plan:
 
     def tensor_pieces(self, t: int) -> list[Piece]:
         """Every piece of tensor `t` (its reshard-path geometry, whatever its path in this mode)."""
-        return self._class(t).pieces(t)
+        return self.tensor_class(t).pieces(t)
 
     def bcast(self, t: int) -> Bcast:
         """The gather→broadcast of tensor `t`."""
-        return self._class(t).bcast(t)
+        return self.tensor_class(t).bcast(t)
 
     # -------------------------------------------------------------------------------------- rank views
 
@@ -322,9 +356,9 @@ class Plan:
         for t, (sp, dp) in enumerate(zip(self.src.placements, self.dst.placements)):
             if self.paths[t] == "reshard":
                 if rank in sp.holder_set:
-                    pieces.extend(self._class(t).rank_pieces(t, rank))
+                    pieces.extend(self.tensor_class(t).rank_pieces(t, rank))
                 elif rank in dp.holder_set:
-                    pieces.extend(self._class(t).dst_pieces(t, rank))
+                    pieces.extend(self.tensor_class(t).dst_pieces(t, rank))
             elif is_dst or rank in sp.holder_set:
                 bc = self.bcast(t)
                 if bc.root >= 0 and (is_dst or rank == bc.root or any(s == rank for s, _ in bc.gather)):
@@ -335,7 +369,7 @@ class Plan:
         """All reshard-path pieces of this mode, tensor by tensor."""
         for t, path in enumerate(self.paths):
             if path == "reshard":
-                yield from self._class(t).pieces(t)
+                yield from self.tensor_class(t).pieces(t)
 
     def bcasts(self) -> Iterator[Bcast]:
         for t, path in enumerate(self.paths):
@@ -359,8 +393,8 @@ class Plan:
         min_wire = 0
         ideal: dict[int, float] = defaultdict(float)
         for t, spec in enumerate(tensors):
-            item = spec.nbytes // spec.numel if spec.numel else 0
-            c = self._class(t)
+            item = spec.itemsize
+            c = self.tensor_class(t)
             min_wire += c.min_wire * item
             baseline[(c, t % c.bn)] += item
             path = self.paths[t]
@@ -372,7 +406,7 @@ class Plan:
         send: dict[int, int] = defaultdict(int)
         recv: dict[int, int] = defaultdict(int)
         recv_all = 0
-        per_class: dict[_Class, list] = defaultdict(lambda: [0, 0])  # reshard: Σ over residues
+        per_class: dict[TensorClass, list] = defaultdict(lambda: [0, 0])  # reshard: Σ over residues
 
         def add(path: str, loads: _Loads, count: int, items: int) -> None:
             nonlocal recv_all

@@ -7,7 +7,7 @@ Every source answers `read(t, box)`: a tensor of shape `box.sizes` and the manif
     spec                               source
     None | "synthetic" | "synthetic:3" SyntheticSource (seed 0 / 3)
     "safetensors:ckpt/"                SafetensorsSource (a file, a directory, or an index.json)
-    "shards:out/"                      ShardsSource (a directory written by reshard_cli.sinks)
+    "shards:out/"                      ShardsSource (a directory written by reshard_cli.io.sinks)
     "dcp:ckpt_dcp/"                    DcpSource (torch.distributed.checkpoint, FileSystemWriter format)
     {kind: ..., path: ... | seed: ...} the same, from the src layout's `source:` key
 """
@@ -24,10 +24,10 @@ from typing import Any, Sequence
 import torch
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
-from reshard_cli.geometry import Box
-from reshard_cli.layout import Layout
-from reshard_cli.models import _SAFETENSORS_DTYPES, Manifest, read_safetensors_header
-from reshard_cli.verify import global_index
+from reshard_cli.plan.geometry import Box
+from reshard_cli.spec.layout import Layout
+from reshard_cli.spec.models import _SAFETENSORS_DTYPES, Manifest, read_safetensors_header, read_safetensors_index
+from reshard_cli.transfer.verify import global_index
 
 KINDS = ("synthetic", "safetensors", "shards", "dcp")
 _KEYS = {"synthetic": ("kind", "seed"), "safetensors": ("kind", "path"), "shards": ("kind", "path"),
@@ -59,13 +59,16 @@ def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _held(layout: Layout, rank: int) -> list[int]:
-    """Indices of the manifest tensors that `rank` holds in `layout`."""
-    return [t for t, p in enumerate(layout.placements) if rank in p.holder_set]
-
-
 def _mismatch(name: str, what: str, got: Any, want: Any) -> str:
     return f"tensor {name!r} has {what} {got}, layout expects {want}"
+
+
+def _expect(spec, shape: tuple, dtype: str, file: str) -> None:
+    """A source's tensor must have the layout's shape and dtype; else a one-line error naming `file`."""
+    if tuple(shape) != spec.shape:
+        raise ConfigError(_mismatch(spec.name, "shape", list(shape), list(spec.shape)), file=file)
+    if dtype != spec.dtype:
+        raise ConfigError(_mismatch(spec.name, "dtype", dtype, spec.dtype), file=file)
 
 
 # ----------------------------------------------------------------------------------------------- base
@@ -82,6 +85,16 @@ class Source:
 
     def check(self, layout: Layout, rank: int) -> None:
         """Raise ConfigError (naming file and tensor) unless every tensor `rank` holds exists as the manifest says."""
+        for t, _box in layout.held(rank):
+            spec = layout.manifest.tensors[t]
+            found = self._stored(spec)
+            if found is not None:
+                _expect(spec, *found)
+
+    def _stored(self, spec) -> tuple[tuple, str, str] | None:
+        """(shape, dtype, file to name in errors) of `spec`'s tensor as stored; ConfigError if it is missing.
+        None: nothing is stored (synthetic values)."""
+        return None
 
     def read(self, t: int, box: Box) -> torch.Tensor:
         raise NotImplementedError
@@ -179,6 +192,16 @@ def _read_slice(handles: _Handles, file: Path, name: str, slices: tuple, sizes: 
     return x
 
 
+def _cached_header(cache: dict, f: Path, missing: str) -> dict:
+    """The tensor entries of safetensors file `f`'s header, read once (no tensor data)."""
+    h = cache.get(f)
+    if h is None:
+        if not f.is_file():
+            raise ConfigError(missing, file=str(f))
+        h = cache[f] = read_safetensors_header(f)[0]
+    return h
+
+
 class SafetensorsSource(Source):
     """A safetensors file, a directory of `*.safetensors` (with or without `model.safetensors.index.json`),
     or an index.json. Boxes are read with `get_slice`, so only the requested bytes leave the file."""
@@ -218,46 +241,21 @@ class SafetensorsSource(Source):
         self._handles = _Handles()
 
     def _load_index(self, index: Path) -> list[Path]:
-        import json
-        try:
-            doc = json.loads(index.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"cannot read index: {e}", file=str(index)) from None
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict):
-            raise ConfigError("expected a mapping", file=str(index), key="weight_map")
-        files: dict[Path, None] = {}
-        for name, shard in weight_map.items():
-            if not isinstance(shard, str) or Path(shard).name != shard:
-                raise ConfigError(f"expected a file name, got {shard!r}", file=str(index), key=f"weight_map.{name}")
-            f = index.parent / shard
-            self._file_of[name] = f
-            files[f] = None
+        self._file_of.update(read_safetensors_index(index))
         self._where = str(index)
-        return list(files)
+        return list(dict.fromkeys(self._file_of.values()))
 
     def _header(self, f: Path) -> dict:
-        h = self._headers.get(f)
-        if h is None:
-            if not f.is_file():
-                raise ConfigError("file not found", file=str(f))
-            h = self._headers[f] = read_safetensors_header(f)[0]
-        return h
+        return _cached_header(self._headers, f, "file not found")
 
-    def check(self, layout: Layout, rank: int) -> None:
-        for t in _held(layout, rank):
-            spec = layout.manifest.tensors[t]
-            f = self._file_of.get(spec.name)
-            if f is None:
-                raise ConfigError(f"tensor {spec.name!r} is missing", file=self._where)
-            entry = self._header(f).get(spec.name)
-            if entry is None:
-                raise ConfigError(f"tensor {spec.name!r} is missing (the index names this file)", file=str(f))
-            if tuple(entry["shape"]) != spec.shape:
-                raise ConfigError(_mismatch(spec.name, "shape", list(entry["shape"]), list(spec.shape)), file=str(f))
-            dtype = _SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"])
-            if dtype != spec.dtype:
-                raise ConfigError(_mismatch(spec.name, "dtype", dtype, spec.dtype), file=str(f))
+    def _stored(self, spec) -> tuple[tuple, str, str]:
+        f = self._file_of.get(spec.name)
+        if f is None:
+            raise ConfigError(f"tensor {spec.name!r} is missing", file=self._where)
+        entry = self._header(f).get(spec.name)
+        if entry is None:
+            raise ConfigError(f"tensor {spec.name!r} is missing (the index names this file)", file=str(f))
+        return tuple(entry["shape"]), _SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]), str(f)
 
     def read(self, t: int, box: Box) -> torch.Tensor:
         self._check_box(t, box)
@@ -277,7 +275,7 @@ class SafetensorsSource(Source):
 
 
 class ShardsSource(Source):
-    """A directory written by `reshard_cli.sinks`: `manifest.json` + one safetensors file per destination rank.
+    """A directory written by `reshard_cli.io.sinks`: `manifest.json` + one safetensors file per destination rank.
 
     A box is assembled from the intersections with the shards that overlap it, ranks in manifest order; a part
     already filled (by an earlier replica) is not read again.
@@ -286,7 +284,7 @@ class ShardsSource(Source):
     kind = "shards"
 
     def __init__(self, manifest: Manifest, path: Path, shown: str | None = None):
-        from reshard_cli import sinks
+        from reshard_cli.io import sinks
         super().__init__(manifest)
         self.path = Path(path)
         self.doc = sinks.read_manifest(self.path)
@@ -329,37 +327,30 @@ class ShardsSource(Source):
             entry[2].append((idx, f, Box(tuple(e["offsets"]), tuple(e["local_shape"]))))
 
     def _rank_header(self, f: Path) -> dict:
-        h = self._rank_headers.get(f)
-        if h is None:
-            if not f.is_file():
-                raise ConfigError("rank file is missing", file=str(f))
-            h = self._rank_headers[f] = read_safetensors_header(f)[0]
-        return h
+        return _cached_header(self._rank_headers, f, "rank file is missing")
 
-    def check(self, layout: Layout, rank: int) -> None:
-        for t in _held(layout, rank):
-            spec = layout.manifest.tensors[t]
-            entry = self._index.get(spec.name)
-            if entry is None:
-                raise ConfigError(f"tensor {spec.name!r} is missing", file=self._mfile)
-            shape, dtype, shards = entry
-            if shape != spec.shape:
-                raise ConfigError(_mismatch(spec.name, "shape", list(shape), list(spec.shape)), file=self._mfile)
-            if dtype != spec.dtype:
-                raise ConfigError(_mismatch(spec.name, "dtype", dtype, spec.dtype), file=self._mfile)
-            unique = {b for _, _, b in shards if not b.empty}
-            covered = sum(b.numel for b in unique)
-            if covered != math.prod(shape):  # distinct shards of a complete tensor tile it exactly
-                raise ConfigError(f"the shards of tensor {spec.name!r} do not tile it: they hold {covered} "
-                                  f"elements, the tensor has {math.prod(shape)}", file=self._mfile)
-            for _, f, b in shards:
-                h = self._rank_header(f).get(spec.name)
-                if h is None:
-                    raise ConfigError(f"tensor {spec.name!r} is missing", file=str(f))
-                got_dtype = _SAFETENSORS_DTYPES.get(h["dtype"], h["dtype"])
-                if tuple(h["shape"]) != b.sizes or got_dtype != dtype:
-                    raise ConfigError(f"tensor {spec.name!r} is {list(h['shape'])} {got_dtype}, manifest says "
-                                      f"{list(b.sizes)} {dtype}", file=str(f))
+    def _stored(self, spec) -> tuple[tuple, str, str]:
+        """The manifest's entry, and every rank file's shard of it checked against the manifest."""
+        entry = self._index.get(spec.name)
+        if entry is None:
+            raise ConfigError(f"tensor {spec.name!r} is missing", file=self._mfile)
+        shape, dtype, shards = entry
+        _expect(spec, shape, dtype, self._mfile)
+        # the shards: they tile the tensor, and each file holds what the manifest says
+        unique = {b for _, _, b in shards if not b.empty}
+        covered = sum(b.numel for b in unique)
+        if covered != math.prod(shape):  # distinct shards of a complete tensor tile it exactly
+            raise ConfigError(f"the shards of tensor {spec.name!r} do not tile it: they hold {covered} "
+                              f"elements, the tensor has {math.prod(shape)}", file=self._mfile)
+        for _, f, b in shards:
+            h = self._rank_header(f).get(spec.name)
+            if h is None:
+                raise ConfigError(f"tensor {spec.name!r} is missing", file=str(f))
+            got_dtype = _SAFETENSORS_DTYPES.get(h["dtype"], h["dtype"])
+            if tuple(h["shape"]) != b.sizes or got_dtype != dtype:
+                raise ConfigError(f"tensor {spec.name!r} is {list(h['shape'])} {got_dtype}, manifest says "
+                                  f"{list(b.sizes)} {dtype}", file=str(f))
+        return shape, dtype, self._mfile
 
     def read(self, t: int, box: Box) -> torch.Tensor:
         self._check_box(t, box)
@@ -490,15 +481,9 @@ class DcpSource(Source):
             raise ConfigError(f"entry {name!r} is not a tensor ({type(md).__name__})", file=self._mfile)
         return md
 
-    def check(self, layout: Layout, rank: int) -> None:
-        for t in _held(layout, rank):
-            spec = layout.manifest.tensors[t]
-            md = self._tensor_md(spec.name)
-            if tuple(md.size) != spec.shape:
-                raise ConfigError(_mismatch(spec.name, "shape", list(md.size), list(spec.shape)), file=self._mfile)
-            dtype = str(md.properties.dtype).removeprefix("torch.")
-            if dtype != spec.dtype:
-                raise ConfigError(_mismatch(spec.name, "dtype", dtype, spec.dtype), file=self._mfile)
+    def _stored(self, spec) -> tuple[tuple, str, str]:
+        md = self._tensor_md(spec.name)
+        return tuple(md.size), str(md.properties.dtype).removeprefix("torch."), self._mfile
 
     def read(self, t: int, box: Box) -> torch.Tensor:
         return self.read_many([(t, box)])[0]
@@ -630,7 +615,7 @@ def open_source(spec: Any, layout: Layout, *, base_dir: Path | None = None) -> S
     if not isinstance(spec, dict):
         raise ConfigError(f"expected a mapping like {{kind: safetensors, path: ckpt/}} or a string, got "
                           f"{type(spec).__name__}", file=file, key="source", line=getattr(spec, "line", None))
-    from reshard_cli.yamlio import check_keys, line_of
+    from reshard_cli.spec.yamlio import check_keys, line_of
     kind = spec.get("kind")
     if kind not in KINDS:
         raise ConfigError(f"unknown source kind {kind!r} (kinds: {', '.join(KINDS)})", file=file,

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.yamlio import check_keys, format_ranks, line_of, load_yaml, parse_ranks
+from reshard_cli.spec import bundled
+from reshard_cli.spec.yamlio import check_keys, format_ranks, line_of, load_yaml, parse_ranks
 
 LINK_KEYS = ("network_gbps", "nvlink_gbps", "latency_us")
 
@@ -76,6 +77,8 @@ NO_TOPOLOGY = Topology()
 
 
 def load_topology(path: str | Path) -> Topology:
+    """A topology YAML, by path or bundled name (`dgx-h100`)."""
+    path = bundled.resolve("topology", path)
     file = str(path)
     doc = load_yaml(path)
     check_keys(doc, ("name", "ranks_per_domain", "domains", "links", "description", "gpus"), file=file, where="")

@@ -22,12 +22,14 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.layout import Layout, Mesh, Placement, load_layout
-from reshard_cli.models import Manifest, TensorSpec
-from reshard_cli.plan import DEFAULT_RESHARD_MATCH, Plan
-from reshard_cli.topo import NO_TOPOLOGY, Topology, load_topology
-from reshard_cli.transport import Engine, Shard
-from reshard_cli import verify
+from reshard_cli.spec.layout import Layout, Mesh, Placement, load_layout, load_pair
+from reshard_cli.spec.models import Manifest, TensorSpec
+from reshard_cli.plan.planner import Plan
+from reshard_cli.plan.schedule import TransferOptions
+from reshard_cli.spec.topology import NO_TOPOLOGY, Topology, load_topology
+from reshard_cli.transfer import verify
+from reshard_cli.transfer.engine import Engine
+from reshard_cli.transfer.shards import LocalShard
 
 
 @dataclass
@@ -48,14 +50,12 @@ class Refit:
         self.role = role
         self.rank = dist.get_rank()
         if isinstance(src, (str, Path)) and isinstance(dst, (str, Path)):
-            from reshard_cli.layout import load_pair
-
             self._src, self._dst = load_pair(src, dst)  # dst ranks default to right after src
         else:
             self._src, self._dst = _as_layout(src), _as_layout(dst)
         self.topology = load_topology(topology) if isinstance(topology, (str, Path)) else (topology or NO_TOPOLOGY)
-        self.mode, self.bucket_bytes = mode, int(bucket_mb * (1 << 20))
-        self.reshard_match = reshard_match or DEFAULT_RESHARD_MATCH
+        self.mode, self.reshard_match = mode, reshard_match
+        self.options = TransferOptions(bucket_bytes=int(bucket_mb * (1 << 20)))
         self.device = torch.device(device) if device is not None else None
         self.plan: Plan | None = None
         self.engine: Engine | None = None
@@ -111,34 +111,30 @@ class Refit:
         src_shards, dst_shards = self._shards(tensors)
         device = self.device or next((s.data.device for s in (*src_shards.values(), *dst_shards.values())),
                                      torch.device("cpu"))
-        self.engine = Engine(self.plan, self.rank, src_shards, dst_shards, bucket_bytes=self.bucket_bytes,
-                             device=device)
+        self.engine = Engine(self.plan, self.rank, src_shards, dst_shards, options=self.options, device=device)
         self.engine.setup_groups()
 
     def _shards(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
         """Check what this rank passed against the plan and wrap it (views, no copies)."""
-        src_shards: dict[int, Shard] = {}
-        dst_shards: dict[int, Shard] = {}
+        src_shards: dict[int, LocalShard] = {}
+        dst_shards: dict[int, LocalShard] = {}
         for role, layout, out in (("src", self.plan.src, src_shards), ("dst", self.plan.dst, dst_shards)):
             if self.rank not in layout.ranks:
                 continue
             man = layout.manifest
-            for t, p in enumerate(layout.placements):
-                if self.rank not in p.holder_set:
-                    continue
+            for t, box in layout.held(self.rank):
                 spec = man.tensors[t]
                 if spec.name not in tensors:
                     raise ConfigError(f"rank {self.rank} holds {spec.name!r} in the {role} layout but did not pass it",
                                       key=spec.name)
                 local = _local(tensors[spec.name])
-                box = p.box_of(spec.shape, self.rank)
                 if tuple(local.shape) != box.sizes or str(local.dtype).removeprefix("torch.") != spec.dtype:
                     raise ConfigError(f"rank {self.rank}: {spec.name} is {list(local.shape)} {local.dtype}, the "
                                       f"{role} layout expects {list(box.sizes)} {spec.dtype}", key=spec.name)
                 if role == "dst" and not local.is_contiguous():
                     raise ConfigError(f"rank {self.rank}: destination buffer {spec.name} must be contiguous",
                                       key=spec.name)
-                out[t] = Shard(box, local)
+                out[t] = LocalShard(box, local)
         return src_shards, dst_shards
 
     def _rebind(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -153,14 +149,9 @@ class Refit:
 
     def _verify(self) -> bool:
         """Checksums: each destination shard against the sources' checksum of the same box (collective)."""
-        plan, eng = self.plan, self.engine
-        man = plan.src.manifest.tensors
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, verify.source_contributions(plan, self.rank, eng.src_shards))
-        expected = verify.merge_contributions(gathered)
-        ok = all(expected.get((t, sh.box.offsets), 0) == verify.checksum(sh.data, sh.box, man[t].shape)
-                 for t, sh in eng.dst_shards.items() if sh.box.numel)
-        flag = torch.tensor([0 if ok else 1])
+        eng = self.engine
+        _actual, mismatched, _ = verify.mismatched_checksums(self.plan, self.rank, eng.src_shards, eng.dst_shards)
+        flag = torch.tensor([1 if mismatched else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item()) == 0
 
@@ -183,13 +174,13 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 
 def _spec_of(name: str, x: torch.Tensor) -> dict | None:
     """What a DTensor says about its layout (None for a plain tensor)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard as DShard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(x, DTensor):
         return None
     shard = []
     for p in x.placements:
-        if isinstance(p, DShard) and type(p) is DShard:
+        if isinstance(p, Shard) and type(p) is Shard:
             shard.append(p.dim)
         elif isinstance(p, Replicate):
             shard.append(None)

@@ -47,20 +47,15 @@ from typing import Any
 
 import numpy as np
 
-from reshard_cli.models import DTYPE_SIZES
-from reshard_cli.plan import MODES, Plan
-from reshard_cli.topo import NO_TOPOLOGY, Topology
+from reshard_cli.plan.planner import MODES, Plan
+from reshard_cli.plan.schedule import PackFiller, TransferOptions, align
+from reshard_cli.spec.topology import NO_TOPOLOGY, Topology
 
-DEFAULT_BUCKET_BYTES = 64 << 20  # `reshard run --bucket-mb 64`
-ALIGN = 16  # transport.ALIGN (not imported: transport needs torch)
+DEFAULT_BUCKET_BYTES = TransferOptions().bucket_bytes  # `reshard run --bucket-mb 64`
 GB = 1e9
 
 # kinds of reshard-path traffic
 NET, NVL0, FWD = 0, 1, 2
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True)
@@ -185,16 +180,16 @@ class _Model:
     def __init__(self, plan: Plan, links: Links, bucket_bytes: int):
         self.plan = plan
         self.links = links
-        self.half = max(bucket_bytes // 2, ALIGN)
-        self.dom = plan._dom
+        self.half = TransferOptions(bucket_bytes=bucket_bytes).half
+        self.dom = plan.domains
         tensors = plan.src.manifest.tensors
-        self.items = [DTYPE_SIZES[s.dtype] for s in tensors]
+        self.items = [s.itemsize for s in tensors]
         # tensor -> class index; per class: the class, its reshard period n, broadcast period bn, numel
         self.cls: list = []
         self.cid: list[int] = []
         index: dict[int, int] = {}
         for t in range(len(tensors)):
-            c = plan._class(t)
+            c = plan.tensor_class(t)
             i = index.get(id(c))
             if i is None:
                 i = index[id(c)] = len(self.cls)
@@ -221,11 +216,7 @@ class _Model:
         if out is None:
             dom, w = self.dom, self.world
             ww = w * w
-            entries = c.entries
-            try:  # (senders, dst, box, phase, numel, key) — the current plan.py
-                rows = [(s, d, p, n, k) for s, d, _b, p, n, k in entries]
-            except ValueError:  # (senders, dst, box, phase, numel): the key is the entry's index
-                rows = [(e[0], e[1], e[3], e[4], k) for k, e in enumerate(entries)]
+            rows = [(e.senders, e.dst, e.phase, e.numel, e.key) for e in c.entries]
             fixed_k: list[int] = []
             fixed_n: list[int] = []
             rot: dict[int, list] = {}
@@ -326,11 +317,10 @@ class _Model:
     def broadcast_path(self, tensors: list[int]) -> dict:
         """Packs as the transport builds them; gather then ring per pack, one pack after another."""
         lk = self.links
-        half = self.half
         gather_s = 0.0
         gather_m = 0
-        packs: dict[int, list] = {}  # root -> [closed packs, bytes]
-        filling: dict[int, int] = {}  # root -> bytes of its open pack (the transport fills one pack per root)
+        filler = PackFiller(self.half)  # the transport's packing rule
+        packs: dict[int, list] = {}  # root -> [packs, bytes]
         cid, items, numel_of = self.cid, self.items, self.numel_of
         for t in tensors:
             i = cid[t]
@@ -341,20 +331,10 @@ class _Model:
             item = items[t]
             gather_s += per_item * item
             gather_m += msgs
-            nb = (numel * item + ALIGN - 1) // ALIGN * ALIGN
-            cur = filling.get(root)
-            if cur is not None and cur + nb <= half:
-                filling[root] = cur + nb
-                continue
-            if cur is not None:
-                acc = packs.setdefault(root, [0, 0])
-                acc[0] += 1
-                acc[1] += cur
-            filling[root] = nb
-        for root, cur in filling.items():
+            _pack, off, new = filler.add(root, numel * item)
             acc = packs.setdefault(root, [0, 0])
-            acc[0] += 1
-            acc[1] += cur
+            acc[0] += new
+            acc[1] += align(numel * item)
         ring_bw_s = ring_lat_s = 0.0
         slowest, hops = math.inf, 0
         for root, (count, nbytes) in packs.items():
@@ -416,11 +396,9 @@ class _Model:
             if not items:
                 continue
             for e in c.entries:
-                if e[3] == 0 and e[4] and dom[e[0][0]] != dom[e[1]]:
-                    ingress[dom[e[1]]] += e[4] * items
-            dst_boxes = getattr(c, "dst_boxes", None)
-            if dst_boxes is None:
-                dst_boxes = plan._unique_boxes(c.shape, plan.dst.placements[t])
+                if e.phase == 0 and e.numel and dom[e.senders[0]] != dom[e.dst]:
+                    ingress[dom[e.dst]] += e.numel * items
+            dst_boxes = c.dst_boxes
             dst_doms = [{dom[h] for h in holders} for _b, holders in dst_boxes]
             for a, senders in c.src_boxes:
                 sdoms = {dom[s] for s in senders}

@@ -13,7 +13,7 @@ as given (Slurm: `$SLURM_NODEID`). Either way each node holds a block of consecu
 all a per-node domain needs; domains spanning several nodes (NVL72 racks) also need the nodes of one rack
 to be consecutive in that order.
 
-    python -m reshard_cli.launch world-size --src A --dst B [other run options are ignored]
+    python -m reshard_cli.transfer.dryrun world-size --src A --dst B [other run options are ignored]
 
 prints the number of processes the two layouts need (what `launchers/local.sh` and `launchers/slurm.sbatch`
 use).
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Sequence
 
 from reshard_cli.errors import ConfigError, ReshardError
-from reshard_cli.layout import Layout, load_pair
-from reshard_cli.topo import NO_TOPOLOGY, Topology, load_topology
+from reshard_cli.spec.layout import Layout, load_pair
+from reshard_cli.spec.topology import NO_TOPOLOGY, Topology, load_topology
 
 DEFAULT_PORT = 29500
 DEFAULT_GPUS_PER_NODE = 8
@@ -254,14 +254,14 @@ def _span(xs) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m reshard_cli.launch world-size --src A --dst B [...]`: print the process count."""
+    """`python -m reshard_cli.transfer.dryrun world-size --src A --dst B [...]`: print the process count."""
     import argparse
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "world-size":
-        print("usage: python -m reshard_cli.launch world-size --src A --dst B [run options]", file=sys.stderr)
+        print("usage: python -m reshard_cli.transfer.dryrun world-size --src A --dst B [run options]", file=sys.stderr)
         return 2
-    p = argparse.ArgumentParser(prog="reshard_cli.launch world-size", add_help=False, allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="reshard_cli.transfer.dryrun world-size", add_help=False, allow_abbrev=False)
     p.add_argument("--src")
     p.add_argument("--dst")
     p.add_argument("--scale", type=int, default=1)

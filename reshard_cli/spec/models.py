@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.yamlio import check_keys, line_of, load_yaml
+from reshard_cli.spec import bundled
+from reshard_cli.spec.yamlio import check_keys, line_of, load_yaml
 
-BUNDLED_DIR = Path(__file__).resolve().parent.parent / "layouts" / "models"
 
 DTYPE_SIZES: dict[str, int] = {
     "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -68,6 +68,11 @@ class TensorSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_SIZES[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +142,7 @@ def _fmt(t: TensorSpec) -> str:
 
 def bundled_models() -> list[str]:
     """Names of the bundled HF configs (`layouts/models/*.json`)."""
-    return sorted(p.stem for p in BUNDLED_DIR.glob("*.json"))
+    return bundled.names("model")
 
 
 def load_manifest(spec: str, *, base_dir: Path | None = None, dtype: str | None = None,
@@ -157,7 +162,7 @@ def load_manifest(spec: str, *, base_dir: Path | None = None, dtype: str | None 
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"expected a model name or path, got {spec!r}", file=file, key=key)
     if spec in bundled_models():
-        path = BUNDLED_DIR / f"{spec}.json"
+        path = bundled.data_dir() / "models" / f"{spec}.json"
     else:
         path = Path(spec).expanduser()
         if base_dir is not None and not path.is_absolute():
@@ -381,8 +386,9 @@ def manifest_from_hf_config(config: dict, *, name: str, dtype: str | None = None
     but a refit moves the trainer's bf16 weights, so no `weight_scale_inv` tensors are emitted.
     Only the main model is listed: DeepSeek's MTP layer (`num_nextn_predict_layers`) is not part of it.
     """
-    bundled = source.startswith("bundled:")
-    file = str(BUNDLED_DIR / f"{source.removeprefix('bundled:')}.json") if bundled else (source or name)
+    is_bundled = source.startswith("bundled:")
+    file = str(bundled.data_dir() / "models" / f"{source.removeprefix('bundled:')}.json") if is_bundled \
+        else (source or name)
     c = _Config(config, file)
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -501,23 +507,34 @@ def _from_files(files: list[Path], name: str, source: str) -> Manifest:
     return Manifest(name=name, tensors=tuple(specs), source=source)
 
 
-def _from_index(index: Path, name: str) -> Manifest:
-    """Tensors in `weight_map` order, with shapes and dtypes from the headers of the shard files it names."""
+def read_safetensors_index(index: Path) -> dict[str, Path]:
+    """`weight_map` of a `*.safetensors.index.json`: tensor name -> shard file (beside the index), in order.
+
+    A shard must be a plain file name: an index cannot point outside its own directory."""
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError("expected a non-empty mapping", file=str(index), key="weight_map")
-    headers: dict[str, dict[str, dict]] = {}
-    specs: list[TensorSpec] = []
+    out: dict[str, Path] = {}
     for tname, shard in weight_map.items():
-        if not isinstance(shard, str):
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
             raise ConfigError(f"expected a file name, got {shard!r}", file=str(index), key=f"weight_map.{tname}")
+        out[tname] = index.parent / shard
+    return out
+
+
+def _from_index(index: Path, name: str) -> Manifest:
+    """Tensors in `weight_map` order, with shapes and dtypes from the headers of the shard files it names."""
+    headers: dict[Path, dict[str, dict]] = {}
+    specs: list[TensorSpec] = []
+    for tname, shard in read_safetensors_index(index).items():
         if shard not in headers:
-            if not (index.parent / shard).is_file():
-                raise ConfigError(f"shard file {shard!r} not found", file=str(index), key=f"weight_map.{tname}")
-            headers[shard] = read_safetensors_header(index.parent / shard)[0]
+            if not shard.is_file():
+                raise ConfigError(f"shard file {shard.name!r} not found", file=str(index),
+                                  key=f"weight_map.{tname}")
+            headers[shard] = read_safetensors_header(shard)[0]
         entry = headers[shard].get(tname)
         if entry is None:
-            raise ConfigError(f"tensor is not in {shard}", file=str(index), key=f"weight_map.{tname}")
+            raise ConfigError(f"tensor is not in {shard.name}", file=str(index), key=f"weight_map.{tname}")
         specs.append(_spec(tname, entry))
     return Manifest(name=name, tensors=tuple(specs), source=str(index))
 

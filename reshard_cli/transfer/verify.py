@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from reshard_cli.geometry import Box
+from reshard_cli.plan.geometry import Box
 
 _MASK64 = (1 << 64) - 1
 _CHUNK = 1 << 22  # elements per step: bounds the float64 temporaries (32 MiB)
@@ -118,10 +118,10 @@ def source_contributions(plan, rank: int, src_shards: dict) -> dict:
     out: dict[tuple, int] = {}
     for t, sh in src_shards.items():
         shape = man[t].shape
-        for a, replicas in plan._unique_boxes(shape, plan.src.placements[t]):
+        for a, replicas in plan.unique_boxes(shape, plan.src.placements[t]):
             if replicas[0] != rank:
                 continue
-            for b, _holders in plan._unique_boxes(shape, plan.dst.placements[t]):
+            for b, _holders in plan.unique_boxes(shape, plan.dst.placements[t]):
                 r = a.intersect(b)
                 if r is not None:
                     key = (t, b.offsets)
@@ -136,3 +136,44 @@ def merge_contributions(parts) -> dict:
         for k, v in part.items():
             out[k] = combine([out.get(k, 0), v])
     return out
+
+
+def mismatched_checksums(plan, rank: int, src_shards: dict, dst_shards: dict,
+                         extra=None) -> tuple[dict[int, int], list[int], list]:
+    """Collective (every rank of the world): each destination shard's checksum against the sources' checksum
+    of the same box. Returns (this rank's checksum per tensor, the tensors whose checksum differs, and what every
+    rank passed as `extra`)."""
+    import torch.distributed as dist
+
+    man = plan.src.manifest.tensors
+    actual = {t: checksum(sh.data, sh.box, man[t].shape) for t, sh in dst_shards.items()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (source_contributions(plan, rank, src_shards), extra))
+    expected = merge_contributions(c for c, _x in gathered)
+    bad = [t for t, sh in dst_shards.items() if sh.box.numel and expected.get((t, sh.box.offsets), 0) != actual[t]]
+    return actual, bad, [x for _c, x in gathered]
+
+
+def _int_bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bits of `x` as one integer per element (bf16 -> int16, float32 -> int32, ...), flattened."""
+    x = x.detach()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x.reshape(-1).view(_INT_VIEW[x.element_size()])
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def differing(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor | None:
+    """Exact comparison, bit for bit (NaN-safe, -0.0 differs from 0.0): None when equal, else a flat boolean
+    tensor marking each differing element."""
+    a, b = _int_bits(got), _int_bits(want.to(got.device))
+    if torch.equal(a, b):
+        return None
+    return a != b
+
+
+def count_differing(got: torch.Tensor, want: torch.Tensor) -> int:
+    diff = differing(got, want)
+    return 0 if diff is None else int(diff.sum())

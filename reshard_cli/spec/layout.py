@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.geometry import Box, shard_box
-from reshard_cli.models import Manifest, load_manifest
-from reshard_cli.yamlio import check_keys, line_of, load_yaml, parse_ranks
+from reshard_cli.spec import bundled
+from reshard_cli.plan.geometry import Box, shard_box
+from reshard_cli.spec.models import Manifest, load_manifest
+from reshard_cli.spec.yamlio import check_keys, line_of, load_yaml, parse_ranks
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
@@ -133,6 +134,12 @@ class Layout:
     def placement(self, tensor: int) -> Placement:
         return self.placements[tensor]
 
+    def held(self, rank: int) -> list[tuple[int, Box]]:
+        """(tensor index, global box) of every tensor `rank` holds in this layout, in manifest order."""
+        tensors = self.manifest.tensors
+        return [(t, p.box_of(tensors[t].shape, rank)) for t, p in enumerate(self.placements)
+                if rank in p.holder_set]
+
     def describe(self) -> str:
         meshes = "; ".join(f"{m.name}=" + "×".join(f"{d}{n}" for d, n in zip(m.dims, m.shape))
                            for m in self.meshes.values())
@@ -144,6 +151,7 @@ class Layout:
 
 def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Layout:
     """Load and validate a layout YAML. `first_rank` is where `ranks` starts when the file omits it."""
+    path = bundled.resolve("layout", path)
     file = str(path)
     doc = load_yaml(path)
     check_keys(doc, TOP_KEYS, file=file, where="", required=("model",))

@@ -1,0 +1,34 @@
+"""Atomic file writes: a final name never holds a half-written file."""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Callable
+
+
+def atomic_write(final: str | Path, write: Callable[[str], None]) -> None:
+    """Call `write(tmp_path)` for a temporary file beside `final`, then rename it to `final`; the temporary
+    file is removed if anything fails."""
+    final = Path(final)
+    tmp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        write(str(tmp))
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def atomic_write_text(final: str | Path, text: str, *, fsync: bool = False) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    atomic_write(final, write)

@@ -1,0 +1,174 @@
+"""One way to start and join a torchrun job, shared by `reshard run`, `reshard bench` and `reshard topo`.
+
+Not under torchrun: `launch()` runs torchrun (`--standalone`) in this process with as many workers as the
+command needs, each running this same command line; torchrun's agent forwards Ctrl-C/SIGTERM to the workers
+and stops them all when one fails, and the failure becomes one line naming the rank.
+
+Under torchrun (RANK/WORLD_SIZE set), a command is a worker: `prepare()` validates its input on every rank
+(rank 0 prints the one-line error, the others exit with the same code silently), `process_group()` joins the
+job, and `all_ok()` turns a failure on any rank into one error that names each failed rank.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
+
+T = TypeVar("T")
+
+# What the workers run: this package's CLI with the same arguments. Tests that need another entry (to install
+# hooks in every worker) set it to their own script.
+ENTRY: list[str] = ["-m", "reshard_cli"]
+
+
+@dataclass(kw_only=True)
+class JobOptions:
+    """What every command that runs as a torchrun job takes (`reshard run`, `reshard bench`)."""
+
+    topology: Path | None = None
+    reshard_match: str | None = None
+    backend: str = "auto"
+    bucket_mb: float = 64.0
+    scale: int = 1
+    quiet: bool = False
+    timeout: float = 300.0
+    argv: list = field(default_factory=list)  # the command line, run again by every worker
+
+
+class Reported(ReshardError):
+    """An error another process prints (worker rank 0, or the worker itself for the launcher): exit with its
+    code without printing it again."""
+
+    quiet = True
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class RankFailure(ReshardError):
+    """Printed by rank 0: what failed on which ranks."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(world: int, argv: list[str]) -> None:
+    """Run torchrun with `world` local workers, each running `ENTRY + argv`; raise on the first failure."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run as torchrun
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # workers print their own errors
+    args = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(world), *ENTRY, *argv])
+    try:
+        torchrun(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode in (1, 2):  # our own exit: the worker already printed its one-line error
+            raise Reported(f"worker rank {rank} failed", failure.exitcode) from None
+        raise RuntimeFailure(f"worker rank {rank} died (exit code {failure.exitcode}); "
+                             f"the other workers were stopped") from None
+
+
+def rank_and_world() -> tuple[int, int]:
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def prepare(fn: Callable[[], T]) -> T:
+    """Run a worker's validation (the same on every rank, before the process group exists): rank 0 raises
+    the error for the user, the other ranks exit with its code without printing it again."""
+    try:
+        return fn()
+    except ReshardError as e:
+        if rank_and_world()[0] == 0:
+            raise
+        raise Reported(str(e), e.exit_code) from None
+
+
+def check_world(world: int, needed: int, what: str) -> None:
+    if world < needed:
+        raise ConfigError(f"world size {world} is smaller than the {needed} ranks {what}", key="WORLD_SIZE")
+
+
+def pick_backend(choice: str) -> str:
+    """auto: nccl when every local rank has a GPU, else gloo; nccl without enough GPUs is a one-line error."""
+    if choice not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"unknown backend {choice!r} (auto, gloo, nccl)", key="--backend")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "nccl" and gpus < local:
+        raise ConfigError(f"nccl needs one GPU per local rank: {local} ranks on this node, {gpus} GPUs",
+                          key="--backend")
+    if choice != "auto":
+        return choice
+    return "nccl" if gpus >= local else "gloo"
+
+
+@contextmanager
+def process_group(backend: str, timeout: float) -> Iterator[torch.device]:
+    """Join the job's process group for the block; yields the device this rank works on (its GPU under nccl)."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+def all_ok(stage: str, error: BaseException | None) -> None:
+    """Collective: if any rank failed `stage`, every rank raises one error naming each failed rank."""
+    msg = None if error is None else f"{error}"
+    code = getattr(error, "exit_code", 1) if error is not None else 0
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (msg, code))
+    failed = [(r, m, c) for r, (m, c) in enumerate(gathered) if m is not None]
+    if failed:
+        text = f"{stage} failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {m}" for r, m, _ in failed[:4])
+        if len(failed) > 4:
+            text += f"; ... {len(failed) - 4} more"
+        code = max(c for _, _, c in failed)
+        raise RankFailure(text, code) if dist.get_rank() == 0 else Reported(text, code)
+
+
+@contextmanager
+def collected(stage: str) -> Iterator[None]:
+    """Run a block on every rank, then `all_ok(stage, what it raised)`: one error naming every failed rank."""
+    err: BaseException | None = None
+    try:
+        yield
+    except ReshardError as e:
+        err = e
+    except Exception as e:  # noqa: BLE001 - reported collectively
+        err = RuntimeFailure(f"{e.__class__.__name__}: {e}")
+    all_ok(stage, err)
+
+
+def sync(device: torch.device) -> None:
+    """Barrier after this rank's device work is done (timings between two syncs are the slowest rank's)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def allreduce_int(n: int, op=dist.ReduceOp.MAX) -> int:
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=op)
+    return int(t.item())

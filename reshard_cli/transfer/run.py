@@ -1,0 +1,338 @@
+"""`reshard run`: the launcher side and the worker that moves the weights from a source into fresh buffers.
+
+Not under torchrun, `launch_run()` validates the layouts and the output directory, then starts one worker per
+rank the layouts use (`launcher.launch`). Under torchrun, `worker()` joins the job; ranks beyond the two groups
+idle. A worker's steps, each its own function below:
+
+  1. load    — every source rank reads its shards (one error naming each failed rank, before any transfer);
+               every destination rank allocates sentinel-filled buffers
+  2. link    — the plan's traffic as raw send/recv: the most this backend can do for it (`--no-link-test`)
+  3. move    — the reshard path, then the broadcast path, `--iters` times, each timed between barriers
+  4. verify  — sources' checksums vs destinations' (and exact values when the source is synthetic)
+  5. write   — rank files, then the manifest last and only when everything verified (`--out`)
+  6. report  — rank 0 prints the table and returns the JSON twin
+
+`Hooks` are fixed points where tests inject faults (a rank that dies, a byte that flips); production runs
+with none.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from reshard_cli.errors import RuntimeFailure
+from reshard_cli.plan.planner import Plan
+from reshard_cli.plan.schedule import TransferOptions
+from reshard_cli.spec.layout import load_pair
+from reshard_cli.spec.topology import NO_TOPOLOGY, load_topology
+from reshard_cli.transfer import launcher, verify
+from reshard_cli.transfer.engine import Engine
+from reshard_cli.transfer.launcher import JobOptions, Reported
+from reshard_cli.transfer.shards import read_source_shards, sentinel_buffers
+
+
+@dataclass(kw_only=True)
+class RunOptions(JobOptions):
+    src: Path
+    dst: Path
+    mode: str = "hybrid"
+    source: str | None = None
+    out: Path | None = None
+    overwrite: bool = False
+    iters: int = 1
+    json: Path | None = None
+    link_test: bool = True
+
+    @property
+    def transfer(self) -> TransferOptions:
+        """The message schedule's options: from the command line, so identical on every rank."""
+        return TransferOptions(bucket_bytes=int(self.bucket_mb * (1 << 20)))
+
+
+class Hooks:
+    """Points in the worker where tests inject faults. Production runs with `HOOKS = None`."""
+
+    def before_transfer(self, rank: int) -> None:
+        """Called on every rank after set-up, before the first transfer."""
+
+    def after_transfer(self, rank: int, dst_shards: dict) -> None:
+        """Called on every rank after the last transfer, before verification."""
+
+
+HOOKS: Hooks | None = None
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+
+
+def launch_run(opts: RunOptions) -> None:
+    """Start torchrun with as many workers as the layouts need, running this same command."""
+    src, dst = load_pair(opts.src, opts.dst, scale=opts.scale)  # validate before spawning anything
+    if opts.out is not None:  # refuse a non-empty output directory before starting anything
+        from reshard_cli.io.sinks import prepare_out_dir
+        prepare_out_dir(opts.out, overwrite=opts.overwrite)
+    launcher.launch(max(max(src.ranks), max(dst.ranks)) + 1, opts.argv)
+
+
+# ------------------------------------------------------------------------------------------------ worker
+
+
+def worker(opts: RunOptions) -> dict | None:
+    """One rank of `reshard run`. Rank 0 returns the report (its `_text` is the table); others None."""
+    rank, world = launcher.rank_and_world()
+    auto = opts.topology is not None and str(opts.topology) == "auto"  # discovered once the job is up
+
+    def validate():
+        src_l, dst_l = load_pair(opts.src, opts.dst, scale=opts.scale)
+        launcher.check_world(world, max(max(src_l.ranks), max(dst_l.ranks)) + 1,
+                             f"the layouts use (src {src_l.ranks[0]}-{src_l.ranks[-1]}, "
+                             f"dst {dst_l.ranks[0]}-{dst_l.ranks[-1]})")
+        topo = load_topology(opts.topology) if opts.topology and not auto else NO_TOPOLOGY
+        plan = Plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match)
+        return plan, launcher.pick_backend(opts.backend)
+
+    plan, backend = launcher.prepare(validate)
+    with launcher.process_group(backend, opts.timeout) as device:
+        if auto:
+            plan = replace(plan, topology=_discover_topology(world))
+        return _work(opts, plan, rank, world, device)
+
+
+def _discover_topology(world: int):
+    """--topology auto: ranks whose GPUs (or CPU host) report the same NVML domain key share a domain."""
+    from reshard_cli.hw import nvml
+
+    key = None
+    with launcher.collected("discovering the topology"):
+        key = nvml.rank_domain_key(nvml.discover(), int(os.environ.get("LOCAL_RANK", "0")))
+    keys: list = [None] * world
+    dist.all_gather_object(keys, key)
+    return nvml.domains_from_keys(keys)
+
+
+def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> dict | None:
+    source, src_shards, dst_shards = _load(opts, plan, rank, device)
+    bar = None
+    if rank == 0 and not opts.quiet and sys.stderr.isatty():
+        from tqdm import tqdm
+        bar = tqdm(total=0, unit="B", unit_scale=True, desc="refit", leave=False)
+    engine = Engine(plan, rank, src_shards, dst_shards, options=opts.transfer, device=device,
+                    progress=(lambda n: bar.update(n)) if bar else None)
+    engine.setup_groups()
+    link_gbps = _link_limit(plan, engine, rank, device) if opts.link_test else None
+    if HOOKS is not None:
+        HOOKS.before_transfer(rank)
+    try:
+        seconds = _move(engine, plan, opts.iters, device)
+    finally:
+        if bar is not None:
+            bar.close()
+    if HOOKS is not None:
+        HOOKS.after_transfer(rank, dst_shards)
+    result = _verify(plan, rank, src_shards, dst_shards, source)
+    staging = launcher.allreduce_int(engine.peak_staging_bytes)
+    if opts.out is not None:
+        _write_output(opts.out, plan, rank, world, dst_shards, result)
+    if source is not None:
+        source.close()
+    if rank != 0:
+        if not result["ok"]:
+            raise Reported("verification failed", 1)
+        return None
+    report = _report(opts, plan, plan.stats(), seconds, result, staging, link_gbps, world, device)
+    if not result["ok"]:
+        report["_failed"] = True
+    return report
+
+
+def _load(opts: RunOptions, plan: Plan, rank: int, device: torch.device):
+    """Step 1: the source's check and this rank's shards; sentinel-filled destination buffers."""
+    from reshard_cli.io import sinks, sources
+
+    source, src_shards = None, {}
+    with launcher.collected("loading the source"):
+        if opts.out is not None and rank == 0:
+            sinks.prepare_out_dir(opts.out, overwrite=opts.overwrite)
+        if rank in plan.src.ranks:
+            source = sources.open_source(opts.source if opts.source else plan.src.source, plan.src,
+                                         base_dir=Path(plan.src.file).parent)
+            source.check(plan.src, rank)
+            src_shards = read_source_shards(plan.src, rank, source, device)
+    dst_shards = sentinel_buffers(plan.dst, rank, device) if rank in plan.dst.ranks else {}
+    return source, src_shards, dst_shards
+
+
+def _link_limit(plan: Plan, engine: Engine, rank: int, device: torch.device) -> float:
+    """Step 2: aggregate GB/s of the plan's traffic as raw concurrent send/recv (best of 3: the limit)."""
+    from reshard_cli.transfer.linktest import LinkTest
+
+    test = LinkTest(plan, engine.view.pieces, rank, device)
+    total = launcher.allreduce_int(test.sent_bytes, dist.ReduceOp.SUM)
+    best = None
+    for _ in range(3):
+        launcher.sync(device)
+        t0 = time.perf_counter()
+        test.run_once()
+        launcher.sync(device)
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    return total / best / 1e9 if total and best else 0.0
+
+
+def _move(engine: Engine, plan: Plan, iters: int, device: torch.device) -> dict[str, float]:
+    """Step 3: the reshard path, then the broadcast path, each timed between barriers; the median over runs
+    after the first (warm-up) of the slowest rank's time."""
+    times: dict[str, list[float]] = {"reshard": [], "broadcast": []}
+    has = {p: any(x == p for x in plan.paths) for p in times}
+    try:
+        for _ in range(max(iters, 1)):
+            for path, fn in (("reshard", engine.run_reshard), ("broadcast", engine.run_broadcast)):
+                if not has[path]:
+                    continue
+                launcher.sync(device)
+                t0 = time.perf_counter()
+                fn()
+                launcher.sync(device)
+                times[path].append(time.perf_counter() - t0)
+    except Exception as e:  # a peer died or the network failed: name this rank and what it saw
+        raise RuntimeFailure(f"rank {engine.rank}: transfer failed: {_short(e)}") from e
+    seconds = {}
+    for path, ts in times.items():
+        if ts:
+            t = torch.tensor(ts, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            vals = t.tolist()
+            seconds[path] = statistics.median(vals[1:] if len(vals) > 1 else vals)
+    return seconds
+
+
+def _short(e: BaseException) -> str:
+    """One readable line from a backend error (gloo's carry a source path prefix and advice)."""
+    text = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically", 1)[0]
+
+
+def _verify(plan: Plan, rank: int, src_shards: dict, dst_shards: dict, source) -> dict:
+    """Step 4: per (tensor, dst rank), the sources' checksum of that box vs the destination's checksum; with a
+    synthetic source also every element against the value it must have."""
+    from reshard_cli.io.sources import SyntheticSource, synthetic_values
+
+    man = plan.src.manifest.tensors
+    synth = (isinstance(source, SyntheticSource), getattr(source, "seed", 0)) if source is not None else None
+    actual, mismatched, extras = verify.mismatched_checksums(plan, rank, src_shards, dst_shards, synth)
+    synthetic = next((x for x in extras if x is not None), None)
+    exact = bool(synthetic and synthetic[0])
+    wrong: dict[int, int] = {}
+    if exact:
+        for t, sh in dst_shards.items():
+            if sh.box.numel:
+                n = verify.count_differing(sh.data, synthetic_values(t, sh.box, man[t].shape, sh.data.dtype,
+                                                                     synthetic[1]))
+                if n:
+                    wrong[t] = n
+    mine = {"rank": rank, "mismatched": mismatched, "wrong": wrong,
+            "checksum": verify.combine(actual.values()), "tensors": len(actual),
+            "bytes": sum(sh.data.numel() * sh.data.element_size() for sh in dst_shards.values())}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine if rank in plan.dst.ranks else None)
+    ranks = [e for e in everyone if e is not None]
+    ok = all(not e["mismatched"] and not e["wrong"] for e in ranks)
+    return {"ok": ok, "ranks": ranks, "dst_checksums": actual, "exact": exact}
+
+
+def _write_output(out: Path, plan: Plan, rank: int, world: int, dst_shards: dict, result: dict) -> None:
+    """Step 5: every destination rank writes its file; rank 0 writes the manifest last, only if all verified."""
+    from reshard_cli.io import sinks
+
+    man = plan.src.manifest.tensors
+    entry = None
+    with launcher.collected("writing the output"):
+        if rank in plan.dst.ranks:
+            idx = plan.dst.ranks.index(rank)
+            sinks.write_rank_file(out, idx, {man[t].name: sh.data.cpu() for t, sh in dst_shards.items()})
+            entry = {"index": idx, "rank": rank, "tensors": {
+                man[t].name: {"shape": list(man[t].shape), "offsets": list(sh.box.offsets),
+                              "local_shape": list(sh.box.sizes), "dtype": man[t].dtype,
+                              "checksum": verify.fmt(result["dst_checksums"][t])}
+                for t, sh in dst_shards.items()}}
+    entries: list = [None] * world
+    dist.all_gather_object(entries, entry)
+    if rank == 0 and result["ok"]:
+        sinks.write_manifest(out, sinks.build_manifest(plan.src, plan.dst, [e for e in entries if e]))
+
+
+def _report(opts, plan, stats, seconds, result, staging, link_gbps, world, device) -> dict:
+    """Step 6 (rank 0): the nccl-tests-like table and its JSON twin."""
+    from reshard_cli.report import fmt_bytes, table
+
+    man = plan.src.manifest.tensors
+    path_of = plan.paths
+    wrong_by_path = {"reshard": 0, "broadcast": 0}
+    mism_by_path = {"reshard": 0, "broadcast": 0}
+    for e in result["ranks"]:
+        for t, n in e["wrong"].items():
+            wrong_by_path[path_of[t]] += n
+        for t in e["mismatched"]:
+            mism_by_path[path_of[t]] += 1
+    ps = stats["path_stats"]
+    paths = {}
+    for p in ("reshard", "broadcast"):
+        if ps[p]["tensors"] == 0:
+            continue
+        sec = seconds.get(p, 0.0)
+        paths[p] = {"tensors": ps[p]["tensors"], "bytes": ps[p]["bytes"], "wire_bytes": ps[p]["wire_bytes"],
+                    "indomain_bytes": ps[p]["indomain_bytes"], "seconds": sec,
+                    "gbps": ps[p]["bytes"] / sec / 1e9 if sec else 0.0,
+                    "wire_gbps": ps[p]["wire_bytes"] / sec / 1e9 if sec else 0.0,
+                    "wrong": wrong_by_path[p] + mism_by_path[p], "checksum_mismatches": mism_by_path[p]}
+    total_s = sum(v["seconds"] for v in paths.values())
+    doc = {
+        "mode": plan.mode, "src": plan.src.name, "dst": plan.dst.name, "model": plan.src.manifest.name,
+        "world": world, "backend": dist.get_backend(), "device": device.type, "iters": opts.iters,
+        "bucket_bytes": opts.transfer.bucket_bytes,
+        "seconds": total_s, "bytes": stats["bytes"], "gbps": stats["bytes"] / total_s / 1e9 if total_s else 0.0,
+        "wire_bytes": stats["wire_bytes"],
+        "wire_gbps": stats["wire_bytes"] / total_s / 1e9 if total_s else 0.0,
+        "wrong": sum(v["wrong"] for v in paths.values()),
+        "verified": "exact values + checksums" if result["exact"] else "checksums",
+        "peak_staging_bytes": staging,
+        "link_limit_gbps": link_gbps,
+        "paths": paths,
+        "checksums": {str(e["rank"]): verify.fmt(e["checksum"]) for e in result["ranks"]},
+    }
+    rows = [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),
+             f"{v['seconds'] * 1e3:.1f}", f"{v['gbps']:.2f}", v["wrong"]] for p, v in paths.items()]
+    rows.append(["all", stats["tensors"], fmt_bytes(stats["bytes"]), fmt_bytes(stats["wire_bytes"]),
+                 fmt_bytes(stats["indomain_bytes"]), f"{total_s * 1e3:.1f}", f"{doc['gbps']:.2f}", doc["wrong"]])
+    lines = [f"reshard run: {plan.src.manifest.name}  {plan.src.name} ({plan.src.size} ranks) -> {plan.dst.name} "
+             f"({plan.dst.size} ranks)  mode {plan.mode}  backend {doc['backend']}  world {world}"
+             f"  iters {opts.iters} (median{' after warm-up' if opts.iters > 1 else ''})",
+             table(["path", "tensors", "bytes", "wire", "in-domain", "time ms", "GB/s", "#wrong"], rows)]
+    if link_gbps:
+        lines.append(f"  link limit {link_gbps:.2f} GB/s (raw concurrent send/recv, same pairs); refit wire rate "
+                     f"{doc['wire_gbps']:.2f} GB/s = {100 * doc['wire_gbps'] / link_gbps:.0f} % of it")
+    lines.append(f"  peak staging {fmt_bytes(staging)} per rank (bucket {fmt_bytes(doc['bucket_bytes'])})")
+    lines.append(f"  verified by {doc['verified']}:")
+    for e in result["ranks"]:
+        state = "ok" if not e["mismatched"] and not e["wrong"] else \
+            f"WRONG ({len(e['mismatched'])} tensors differ, {sum(e['wrong'].values())} elements)"
+        lines.append(f"    rank {e['rank']:>5}  {e['tensors']:>6} tensors  {fmt_bytes(e['bytes']):>10}  "
+                     f"checksum {verify.fmt(e['checksum'])}  {state}")
+    if not result["ok"]:
+        bad = next(e for e in result["ranks"] if e["mismatched"] or e["wrong"])
+        t = (bad["mismatched"] or list(bad["wrong"]))[0]
+        lines.append(f"  FAILED: rank {bad['rank']} tensor {man[t].name} is wrong")
+    doc["_text"] = "\n".join(lines)
+    return doc
+
+
+__all__ = ["RunOptions", "Hooks", "HOOKS", "launch_run", "worker"]

@@ -1,0 +1,45 @@
+"""A rank's local shards: what it sends (read from a source) and the buffers it receives into.
+
+Destination buffers start as the sentinel byte pattern, so a region no message ever wrote cannot pass the
+exact comparison or the checksum: verification proves every byte arrived, not just that nothing was wrong.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reshard_cli.plan.geometry import Box
+from reshard_cli.spec.layout import Layout
+
+SENTINEL_BYTE = 0xA5  # destination buffers start as this pattern: a region never written cannot pass
+
+
+@dataclass
+class LocalShard:
+    """A rank's local shard of one tensor: the global box it covers and its data (a view, never a copy)."""
+
+    box: Box
+    data: torch.Tensor
+
+
+def read_source_shards(layout: Layout, rank: int, source, device: torch.device) -> dict[int, LocalShard]:
+    """The shards `rank` holds in the source layout, read from `source` (one `read_many` call)."""
+    wanted = layout.held(rank)
+    return {t: LocalShard(box, data.to(device)) for (t, box), data in zip(wanted, source.read_many(wanted))}
+
+
+def sentinel_buffers(layout: Layout, rank: int, device: torch.device) -> dict[int, LocalShard]:
+    """Fresh destination buffers for the shards `rank` holds in the destination layout, sentinel-filled."""
+    tensors = layout.manifest.tensors
+    out = {t: LocalShard(box, torch.empty(box.sizes, dtype=getattr(torch, tensors[t].dtype), device=device))
+           for t, box in layout.held(rank)}
+    fill_sentinel(out.values())
+    return out
+
+
+def fill_sentinel(shards) -> None:
+    """Overwrite every byte of these shards with the sentinel."""
+    for sh in shards:
+        if sh.data.numel():
+            sh.data.reshape(-1).view(torch.uint8).fill_(SENTINEL_BYTE)

@@ -82,6 +82,9 @@ def plan(
         return
     stats = p.stats()
     stats["layout_seconds"] = t_layout
+    if p.dst.format != "hf":  # the bytes land in the engine's own tensors: what one rank's storage looks like
+        from reshard_cli.formats import engine_summary
+        stats["engine"] = engine_summary(p.dst)
     typer.echo(plan_text(stats))
     from reshard_cli.plan.cost import plan_prediction  # predicted seconds per mode + lower bound (topology links)
 

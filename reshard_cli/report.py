@@ -55,12 +55,22 @@ def plan_text(s: dict) -> str:
         f"{_over(s['max_rank_send_bytes'], s['ideal_rank_send_bytes'])}), recv {fmt_bytes(s['max_rank_recv_bytes'])} "
         f"(ideal {fmt_bytes(s['ideal_rank_recv_bytes'])}, {_over(s['max_rank_recv_bytes'], s['ideal_rank_recv_bytes'])})",
         f"  planned in    {s['plan_seconds'] * 1e3:.0f} ms",
+        *_engine_lines(s.get("engine")),
         "",
         table(["path", "tensors", "bytes", "wire", "in-domain", "pieces"],
               [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),
                 v["pieces"]] for p, v in s["path_stats"].items()]),
     ]
     return "\n".join(lines)
+
+
+def _engine_lines(e: dict | None) -> list[str]:
+    if not e:
+        return []
+    return [f"  engine        {e['format']} storage on rank {e['rank']}: {e['engine_tensors']} tensors "
+            f"({e['fused_tensors']} fused or stacked), {fmt_bytes(e['engine_bytes'])}; received bytes land in place: "
+            f"{fmt_bytes(e['direct_bytes'])} of {fmt_bytes(e['checkpoint_bytes'])} "
+            f"({pct(e['direct_bytes'], e['checkpoint_bytes'])}), padding {fmt_bytes(e['padding_bytes'])} untouched"]
 
 
 def _ratio(a: float, b: float) -> str:

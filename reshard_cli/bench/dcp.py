@@ -21,16 +21,23 @@ from reshard_cli.transfer import launcher
 from reshard_cli.transfer.shards import fill_sentinel
 
 
+def _free_dims(p) -> list[tuple[int, int | None]]:
+    """(size, tensor dim or None) of each mesh dim a placement's DeviceMesh keeps: the dims not fixed to one
+    coordinate (a dim fixed to several coordinates, like tied embeddings on two stages, replicates over them)."""
+    return [(n if f is None else len(f), s) for n, s, f in zip(p.mesh.shape, p.shard, p.fixed)
+            if f is None or isinstance(f, tuple)]
+
+
 def _mesh_key(p) -> tuple:
     """A placement's DeviceMesh: its holders, shaped by the mesh dims that are not fixed (stage / expert)."""
-    shape = tuple(n for n, f in zip(p.mesh.shape, p.fixed) if f is None) or (1,)
+    shape = tuple(n for n, _s in _free_dims(p)) or (1,)
     return p.holders, shape
 
 
 def _dt_placements(p) -> list:
-    from torch.distributed.tensor import Replicate, Shard as DShard
+    from torch.distributed.tensor import Replicate, Shard
 
-    out = [DShard(s) if s is not None else Replicate() for s, f in zip(p.shard, p.fixed) if f is None]
+    out = [Shard(s) if s is not None else Replicate() for _n, s in _free_dims(p)]
     return out or [Replicate()]
 
 

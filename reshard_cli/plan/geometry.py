@@ -13,9 +13,14 @@ from typing import Sequence
 Placements = tuple  # tuple[int | None, ...], one entry per mesh dim
 
 
-def chunk_range(n: int, parts: int, i: int) -> tuple[int, int]:
-    """(start, size) of part `i` of `n` split `parts` ways, torch.chunk style."""
-    c = -(-n // parts) if parts else n
+def chunk_range(n: int, parts: int, i: int, pad: int = 1) -> tuple[int, int]:
+    """(start, size) of part `i` of `n` split `parts` ways, torch.chunk style.
+
+    `pad` > 1 chunks the extent rounded up to a multiple of `pad` and clips the parts to `n`: an inference
+    engine's padded vocabulary (vLLM pads it to a multiple of 64, then gives each TP rank an equal part),
+    whose padding rows exist only in the engine's storage, not in the checkpoint."""
+    m = -(-n // pad) * pad if pad > 1 else n
+    c = -(-m // parts) if parts else m
     start = min(i * c, n)
     return start, min(start + c, n) - start
 
@@ -87,14 +92,16 @@ class Box:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
 
 
-def shard_box(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Placements) -> Box:
-    """The global box that mesh coordinate `coord` holds (DTensor-exact, nested and uneven shards)."""
+def shard_box(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Placements,
+              pad: int = 1) -> Box:
+    """The global box that mesh coordinate `coord` holds (DTensor-exact, nested and uneven shards; `pad` as in
+    `chunk_range`, 1 for DTensor)."""
     offsets = [0] * len(shape)
     sizes = list(shape)
     for m, p in enumerate(placements):
         if p is None:
             continue
-        start, size = chunk_range(sizes[p], mesh_shape[m], coord[m])
+        start, size = chunk_range(sizes[p], mesh_shape[m], coord[m], pad)
         offsets[p] += start
         sizes[p] = size
         if size == 0:  # DTensor puts an empty shard at the end of the dim

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard_cli.errors import ConfigError
+from reshard_cli.formats import FORMATS
+from reshard_cli.formats import vllm as vllm_format
 from reshard_cli.spec import bundled
 from reshard_cli.plan.geometry import Box, shard_box
 from reshard_cli.spec.models import Manifest, load_manifest
@@ -33,8 +35,8 @@ LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 FIRST_STAGE_RE = re.compile(r"embed|wte|word_embeddings")
 TOP_KEYS = ("name", "description", "model", "dtype", "ranks", "mesh", "meshes", "pipeline", "experts",
-            "placements", "source")
-RULE_KEYS = ("match", "mesh", "shard")
+            "placements", "source", "format", "engine")
+RULE_KEYS = ("match", "mesh", "shard", "pad", "stages")
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,13 @@ class Placement:
 
     mesh: Mesh
     shard: tuple  # per mesh dim: tensor dim (Shard) or None (Replicate)
-    fixed: tuple  # per mesh dim: fixed coordinate (pipeline stage / expert) or None
+    fixed: tuple  # per mesh dim: fixed coordinate (pipeline stage / expert), a tuple of them, or None
+    pad: int = 1  # sharded extents are chunked as if padded to a multiple of this (an engine's padded vocab)
 
     @cached_property
     def coords(self) -> tuple[tuple[int, ...], ...]:
-        axes = [range(n) if f is None else (f,) for n, f in zip(self.mesh.shape, self.fixed)]
+        axes = [range(n) if f is None else f if isinstance(f, tuple) else (f,)
+                for n, f in zip(self.mesh.shape, self.fixed)]
         return tuple(product(*axes))
 
     @cached_property
@@ -88,11 +92,11 @@ class Placement:
         """Unique boxes in first-appearance order, each with the ranks (replicas) holding it."""
         groups: dict[Box, list[int]] = {}
         for c, r in zip(self.coords, self.holders):
-            groups.setdefault(shard_box(shape, self.mesh.shape, c, self.shard), []).append(r)
+            groups.setdefault(shard_box(shape, self.mesh.shape, c, self.shard, self.pad), []).append(r)
         return [(b, tuple(rs)) for b, rs in groups.items()]
 
     def box_of(self, shape: tuple[int, ...], rank: int) -> Box:
-        return shard_box(shape, self.mesh.shape, self.mesh.coord_of(rank), self.shard)
+        return shard_box(shape, self.mesh.shape, self.mesh.coord_of(rank), self.shard, self.pad)
 
     def describe(self) -> str:
         parts = []
@@ -111,6 +115,9 @@ class Rule:
     mesh: Mesh
     shard: tuple  # per mesh dim: tensor dim or None
     line: int | None
+    pad: int = 1  # see Placement.pad
+    stages: tuple = ()  # pipeline stages that hold the matched tensors (negative: from the last), overriding the
+    # usual stage (an engine keeps tied embeddings on the first and the last stage)
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ class Layout:
     rules: tuple[Rule, ...]
     placements: tuple[Placement, ...] = field(repr=False)  # one per manifest tensor
     source: Any = None  # raw `source:` mapping (used by `reshard run`)
+    format: str = "hf"  # how the framework stores the tensors (reshard_cli.formats)
+    expert_order: str = "linear"  # expert e's owner: see expert_owner()
 
     @property
     def size(self) -> int:
@@ -166,6 +175,16 @@ def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Lay
     if dtype is not None and not isinstance(dtype, str):
         raise ConfigError("expected a dtype name like bfloat16", file=file, key="dtype", line=line_of(doc, "dtype"))
     manifest = load_manifest(model, base_dir=Path(file).parent, dtype=dtype, file=file, key="model", scale=scale)
+    fmt = doc.get("format", "hf")
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown format {fmt!r} (formats: {', '.join(FORMATS)})", file=file, key="format",
+                          line=line_of(doc, "format"))
+    generated = fmt != "hf"
+    if fmt == "vllm":  # the format writes the meshes, pipeline split, expert owners and rules vLLM uses
+        doc = vllm_format.expand(doc, manifest, file)
+    elif "engine" in doc:
+        raise ConfigError("`engine:` describes an engine format's deployment; this layout has none (format: hf)",
+                          file=file, key="engine", line=line_of(doc, "engine"))
 
     raw_meshes = {"default": doc["mesh"]} if "mesh" in doc else doc["meshes"]
     mesh_key = "mesh" if "mesh" in doc else "meshes"
@@ -199,7 +218,7 @@ def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Lay
     layers = [_int_match(LAYER_RE, t.name) for t in manifest.tensors]
     num_layers = max((x for x in layers if x is not None), default=-1) + 1
     pipeline, stage_of_layer = _parse_pipeline(doc, file, meshes, all_dims, num_layers)
-    experts = _parse_experts(doc, file, all_dims)
+    experts, expert_order = _parse_experts(doc, file, all_dims)
     rules = _parse_rules(doc, file, meshes)
 
     # Placement of each tensor. Everything that decides it is (rule, ndim, stage, expert owner), so each
@@ -223,24 +242,25 @@ def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Lay
         p = resolved.get(key)
         if p is None:
             p = resolved[key] = _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e,
-                                         num_experts, file, doc)
+                                         num_experts, file, doc, expert_order)
             if rule:
                 used[rule.index] = True
         placements.append(p)
     # intern equal placements (e.g. the same stage reached through different layers)
     interned: dict[tuple, Placement] = {}
-    placements = [interned.setdefault((p.mesh.name, p.shard, p.fixed), p) for p in placements]
+    placements = [interned.setdefault((p.mesh.name, p.shard, p.fixed, p.pad), p) for p in placements]
     for r, u in zip(rules, used):
-        if not u:
+        if not u and not generated:
             raise ConfigError(f"rule matches no tensor of model {manifest.name!r}", file=file,
                               key=f"placements[{r.index}].match", line=r.line)
     name = str(doc.get("name") or Path(file).stem)
     return Layout(file=file, name=name, manifest=manifest, ranks=ranks, meshes=meshes, pipeline=pipeline,
                   stage_of_layer=stage_of_layer, experts=experts, rules=tuple(rules),
-                  placements=tuple(placements), source=doc.get("source"))
+                  placements=tuple(placements), source=doc.get("source"), format=fmt, expert_order=expert_order)
 
 
-def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e, num_experts, file, doc):
+def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e, num_experts, file, doc,
+             expert_order="linear"):
     """The placement of tensor `t` under `rule`, with its pipeline stage and expert owner fixed."""
     mesh, shard = (rule.mesh, rule.shard) if rule else (default_mesh, (None,) * len(default_mesh.dims))
     key = _rule_key(rule)
@@ -256,12 +276,16 @@ def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e,
             raise ConfigError(f"tensor {t.name} {how} mesh {mesh.name!r}, which has no pipeline dim "
                               f"{pipeline!r}", file=file, key=key,
                               line=line if rule else line_of(doc, "placements"))
-        if layer is not None:
+        n_stages = mesh.shape[mesh.dims.index(pipeline)]
+        if rule and rule.stages:
+            chosen = tuple(sorted({s % n_stages for s in rule.stages}))
+            stage = chosen[0] if len(chosen) == 1 else chosen
+        elif layer is not None:
             stage = stage_of_layer[layer]
         elif FIRST_STAGE_RE.search(t.name):
             stage = 0
         else:
-            stage = mesh.shape[mesh.dims.index(pipeline)] - 1
+            stage = n_stages - 1
         i = mesh.dims.index(pipeline)
         if shard[i] is not None:
             raise ConfigError(f"mesh dim {pipeline!r} shards {t.name} but is the pipeline dim", file=file,
@@ -277,17 +301,35 @@ def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e,
                               line=line if rule else line_of(doc, "placements"))
         idx = [mesh.dims.index(d) for d in experts]
         n = _prod(mesh.shape[i] for i in idx)
-        if num_experts % n:
+        if num_experts % n and expert_order == "linear":
             raise ConfigError(f"{num_experts} experts do not split evenly over {n} expert coordinates",
                               file=file, key="experts", line=line_of(doc, "experts"))
-        flat = e // (num_experts // n)
+        flat = expert_owner(e, num_experts, n, expert_order)
         for i in reversed(idx):
             if fixed[i] is not None or shard[i] is not None:
                 raise ConfigError(f"mesh dim {mesh.dims[i]!r} is both an expert dim and a shard/pipeline dim "
                                   f"for {t.name}", file=file, key=key, line=line)
             fixed[i] = flat % mesh.shape[i]
             flat //= mesh.shape[i]
-    return Placement(mesh, shard, tuple(fixed))
+    return Placement(mesh, shard, tuple(fixed), rule.pad if rule else 1)
+
+
+EXPERT_ORDERS = ("linear", "balanced", "round_robin")
+
+
+def expert_owner(e: int, num_experts: int, n: int, order: str) -> int:
+    """The expert coordinate (0..n-1) that owns expert `e`.
+
+    linear: e // (E/n), E divisible by n (Megatron); balanced: contiguous ranges, the first E % n coordinates
+    one expert more (vLLM's linear placement, which allows any E); round_robin: e % n (vLLM's round-robin).
+    """
+    if order == "round_robin":
+        return e % n
+    base, extra = divmod(num_experts, n)
+    if order == "balanced" and extra:
+        cut = extra * (base + 1)
+        return e // (base + 1) if e < cut else extra + (e - cut) // base
+    return e // (num_experts // n)
 
 
 def load_pair(src_path: str | Path, dst_path: str | Path, *, scale: int = 1) -> tuple[Layout, Layout]:
@@ -334,10 +376,19 @@ def _parse_pipeline(doc, file, meshes, all_dims, num_layers) -> tuple[str | None
     return dim, tuple(s for s, k in enumerate(layers) for _ in range(k))
 
 
-def _parse_experts(doc, file, all_dims) -> tuple[str, ...]:
+def _parse_experts(doc, file, all_dims) -> tuple[tuple[str, ...], str]:
+    """`experts: ep`, `[dp, tp]` or `{dims: [dp, tp], order: linear | round_robin}`."""
     raw = doc.get("experts")
     if raw is None:
-        return ()
+        return (), "linear"
+    order = "linear"
+    if isinstance(raw, dict):
+        check_keys(raw, ("dims", "order"), file=file, where="experts", required=("dims",))
+        order = raw.get("order", "linear")
+        if order not in EXPERT_ORDERS:
+            raise ConfigError(f"expected one of {', '.join(EXPERT_ORDERS)}, got {order!r}", file=file,
+                              key="experts.order", line=line_of(raw, "order"))
+        raw = raw["dims"]
     dims = [raw] if isinstance(raw, str) else raw
     if not isinstance(dims, list) or not dims:
         raise ConfigError("expected a mesh dim or a list of mesh dims", file=file, key="experts",
@@ -349,7 +400,7 @@ def _parse_experts(doc, file, all_dims) -> tuple[str, ...]:
     if len(set(dims)) != len(dims):
         raise ConfigError(f"a mesh dim is listed twice: {dims}", file=file, key="experts",
                           line=line_of(doc, "experts"))
-    return tuple(dims)
+    return tuple(dims), order
 
 
 def _parse_rules(doc, file, meshes) -> list[Rule]:
@@ -387,7 +438,14 @@ def _parse_rules(doc, file, meshes) -> list[Rule]:
                 raise ConfigError("tensor dim must be an integer >= 0", file=file, key=f"{where}.shard.{d}",
                                   line=line)
             shard[mesh.dims.index(d)] = td
-        rules.append(Rule(i, pattern, mesh, tuple(shard), line))
+        pad = r.get("pad", 1)
+        if not isinstance(pad, int) or isinstance(pad, bool) or pad < 1:
+            raise ConfigError("pad must be a positive integer", file=file, key=f"{where}.pad", line=line)
+        stages = r.get("stages", [])
+        if not isinstance(stages, list) or any(not isinstance(x, int) or isinstance(x, bool) for x in stages):
+            raise ConfigError("expected a list of pipeline stages, like [0, -1]", file=file, key=f"{where}.stages",
+                              line=line)
+        rules.append(Rule(i, pattern, mesh, tuple(shard), line, pad, tuple(stages)))
     return rules
 
 

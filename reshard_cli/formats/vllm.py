@@ -1,0 +1,279 @@
+"""vLLM's storage of a checkpoint: which rank holds which part of each HF tensor, and where it sits.
+
+Plans stay in checkpoint space (HF names and shapes): that is what `reshard plan` reports and what the
+minimum-bytes argument is about. This format says two things about a vLLM deployment:
+
+1. `expand()`: the placement of every checkpoint tensor, written in the layout vocabulary (meshes, pipeline
+   split, expert owners, rules) exactly as vLLM shards it, so the user writes only the engine's parallelism:
+
+       model: qwen3-30b-a3b
+       format: vllm
+       mesh: {dp: 4, tp: 4}                 # any of dp, pp, tp, in vLLM's rank order (tp fastest)
+       engine: {expert_parallel: true, expert_placement: linear}   # --enable-expert-parallel, its strategy
+
+   - column-parallel q/gate/up (and MLA's q_b/kv_b) split rows over tp, row-parallel o/down split columns;
+   - k/v split by kv head; with tp > kv heads each head is replicated tp/kv times (rank r keeps head
+     r // (tp/kv)), which is a `kvh × kvr` view of the tp dim;
+   - embed_tokens and lm_head split over tp as vLLM pads the vocabulary: to a multiple of 64, then equal
+     parts (the padding rows exist in the engine only);
+   - pipeline stages split layers as vLLM's `get_pp_indices` does (the remainder goes to the middle stages,
+     last-but-one first);
+   - routed experts: TP-sharded like dense MLPs, or, with expert parallelism, whole experts over the
+     dp × tp ranks, `linear` (expert e on rank e // (E/ep)) or `round_robin` (e % ep);
+   - norms, routers, MLA's a-projections: replicated.
+
+2. `storage()`: the engine's own tensors on one rank (`qkv_proj` = [q; k; v] of this rank, `gate_up_proj` =
+   [gate; up], MLA's `fused_qkv_a_proj` = [q_a; kv_a_with_mqa], experts stacked as `experts.routed_experts.w13_weight [E_local, 2·I_local, H]` and
+   `w2_weight [E_local, H, I_local]` (vLLM 0.32's names),
+   a padded vocab), each with the views of checkpoint boxes it is made of. A transfer writes every received
+   piece straight into those views: no full tensor, no second copy.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from reshard_cli.errors import ConfigError
+
+VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+EXPERT_STACK = "routed_experts"  # vLLM 0.32's FusedMoE keeps the stacked experts under mlp.experts.routed_experts
+ENGINE_KEYS = ("expert_parallel", "expert_placement")
+DIMS = ("dp", "pp", "tp")
+
+# checkpoint-name patterns (HF naming, as the manifests list them)
+_COLUMN = r"(q_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$"
+_ROW = r"(o_proj|down_proj)\.weight$"
+_KV = r"(k_proj|v_proj)\.(weight|bias)$"
+_VOCAB = r"embed_tokens\.weight$|lm_head\.weight$"
+_EXPERT = r"mlp\.experts\.\d+\."
+
+
+def vllm_pp_layers(num_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage as vLLM's `get_pp_indices` splits them (without VLLM_PP_LAYER_PARTITION)."""
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    return parts
+
+
+def expand(doc: dict, manifest, file: str) -> dict:
+    """The layout document with vLLM's meshes, pipeline split, expert owners and placement rules filled in."""
+    for key in ("meshes", "placements", "pipeline", "experts"):
+        if key in doc:
+            raise ConfigError(f"`{key}:` is derived by `format: vllm` from the mesh and `engine:`; remove it",
+                              file=file, key=key, line=_line(doc, key))
+    mesh = doc.get("mesh")
+    if not isinstance(mesh, dict) or not mesh:
+        raise ConfigError("`format: vllm` needs `mesh:` with dims among dp, pp, tp (tp fastest)", file=file,
+                          key="mesh", line=_line(doc, "mesh"))
+    dims = [str(d) for d in mesh]
+    bad = [d for d in dims if d not in DIMS]
+    if bad or dims != sorted(dims, key=DIMS.index):
+        raise ConfigError(f"vLLM's mesh dims are dp, pp, tp in that order (tp fastest), got {dims}", file=file,
+                          key="mesh", line=_line(doc, "mesh"))
+    engine = doc.get("engine") or {}
+    if not isinstance(engine, dict):
+        raise ConfigError("expected a mapping", file=file, key="engine", line=_line(doc, "engine"))
+    for k in engine:
+        if k not in ENGINE_KEYS:
+            raise ConfigError(f"unknown key (allowed: {', '.join(ENGINE_KEYS)})", file=file, key=f"engine.{k}",
+                              line=_line(engine, k))
+    ep = bool(engine.get("expert_parallel", False))
+    order = engine.get("expert_placement", "linear")
+    if order not in ("linear", "round_robin"):
+        raise ConfigError(f"expected linear or round_robin, got {order!r}", file=file,
+                          key="engine.expert_placement", line=_line(engine, "expert_placement"))
+    config = manifest.config or {}
+    if not config:
+        raise ConfigError(f"`format: vllm` needs the model's HF config (heads, vocab); {manifest.name!r} has "
+                          f"none: name a bundled model or a config.json", file=file, key="model")
+    tp = int(mesh.get("tp", 1))
+    heads = int(config.get("num_attention_heads", 0))
+    kv = int(config.get("num_key_value_heads") or heads)
+    mla = "kv_lora_rank" in config
+    if heads and heads % tp:
+        raise ConfigError(f"tp {tp} does not divide the model's {heads} attention heads", file=file, key="mesh.tp",
+                          line=_line(doc, "mesh"))
+    meshes: dict = {"default": dict(mesh)}
+    rules: list[dict] = []
+    if ep and any(re.search(_EXPERT, t.name) for t in manifest.tensors):
+        rules.append({"match": _EXPERT, "mesh": "default"})  # whole experts, one owner each
+    if not mla and kv and tp > 1:
+        if tp > kv:
+            if tp % kv:
+                raise ConfigError(f"tp {tp} is neither a divisor nor a multiple of the model's {kv} kv heads",
+                                  file=file, key="mesh.tp", line=_line(doc, "mesh"))
+            kv_mesh = {d: n for d, n in mesh.items() if d != "tp"}
+            kv_mesh.update(kvh=kv, kvr=tp // kv)
+            meshes["kv"] = kv_mesh
+            rules.append({"match": _KV, "mesh": "kv", "shard": {"kvh": 0}})
+        elif kv % tp:
+            raise ConfigError(f"tp {tp} does not divide the model's {kv} kv heads", file=file, key="mesh.tp",
+                              line=_line(doc, "mesh"))
+        else:
+            rules.append({"match": _KV, "mesh": "default", "shard": {"tp": 0}})
+    tied = bool(config.get("tie_word_embeddings")) and not any(t.name.endswith("lm_head.weight")
+                                                                for t in manifest.tensors)
+    if tied and "pp" in mesh:  # the last stage computes logits with the embedding: vLLM keeps it there too
+        rules.append({"match": r"embed_tokens\.weight$", "mesh": "default", "shard": {"tp": 0}, "pad": VOCAB_PAD,
+                      "stages": [0, -1]})
+    rules += [{"match": _VOCAB, "mesh": "default", "shard": {"tp": 0}, "pad": VOCAB_PAD},
+              {"match": _COLUMN, "mesh": "default", "shard": {"tp": 0}},
+              {"match": _ROW, "mesh": "default", "shard": {"tp": 1}}]
+    if "tp" not in mesh:
+        rules = [{k: v for k, v in r.items() if k != "shard"} for r in rules]
+    out = {k: v for k, v in doc.items() if k not in ("mesh", "engine")}
+    out["meshes"] = meshes
+    out["placements"] = rules
+    if "pp" in mesh:
+        layers = int(config.get("num_hidden_layers", 0))
+        out["pipeline"] = {"dim": "pp", "layers": vllm_pp_layers(layers, int(mesh["pp"]))}
+    if ep:
+        out["experts"] = {"dims": [d for d in ("dp", "tp") if d in mesh], "order": effective_placement(order, config)}
+    return out
+
+
+def effective_placement(requested: str, config: dict) -> str:
+    """The expert order vLLM really uses. Its `linear` gives the first E % ep ranks one expert more
+    (`balanced` here); `round_robin` holds only for grouped routing (n_group > 1, no redundant experts):
+    otherwise vLLM falls back to linear, and so does this layout (vLLM logs a warning when it does)."""
+    grouped = int(config.get("n_group") or config.get("num_expert_group") or 1) > 1
+    if requested == "round_robin" and grouped and not config.get("num_redundant_experts"):
+        return "round_robin"
+    return "balanced"
+
+
+def _line(mapping, key):
+    lines = getattr(mapping, "lines", None)
+    return lines.get(key) if lines else getattr(mapping, "line", None)
+
+
+# ------------------------------------------------------------------------------------------- engine storage
+
+
+@dataclass(frozen=True)
+class View:
+    """Checkpoint tensor `tensor`'s global box `box` lands in `region` (slices) of an engine tensor."""
+
+    tensor: int
+    box: object  # plan.geometry.Box
+    region: tuple  # slices into the engine tensor
+
+
+@dataclass(frozen=True)
+class EngineTensor:
+    """One tensor of the engine on one rank: its name, local shape, dtype, and the views that fill it."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    views: tuple  # (View, ...)
+
+    @property
+    def nbytes(self) -> int:
+        from reshard_cli.spec.models import DTYPE_SIZES
+        n = DTYPE_SIZES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+
+_FUSED = (  # vLLM name part, [(HF name part, ...)] stacked along dim 0 in this order
+    ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("gate_up_proj", ("gate_proj", "up_proj")),
+    ("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa")),  # MLA with q_lora_rank (replicated)
+)
+_EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def storage(layout, rank: int) -> list[EngineTensor]:
+    """The engine tensors `rank` keeps, each with the checkpoint views it is made of (this rank's boxes)."""
+    tensors = layout.manifest.tensors
+    held = dict(layout.held(rank))
+    out: list[EngineTensor] = []
+    done: set[int] = set()
+    # fused projections: the rank's local parts stacked along dim 0
+    for t, box in held.items():
+        name = tensors[t].name
+        if _EXPERT_RE.match(name):  # routed experts are stacked below, not fused one by one
+            continue
+        for fused, parts in _FUSED:
+            suffix = next((s for s in (".weight", ".bias") if name.endswith(f"{parts[0]}{s}")), None)
+            if suffix is None:
+                continue
+            stem = name[: -len(parts[0] + suffix)]
+            members = [layout.manifest.index(stem + p + suffix) if layout.manifest.get(stem + p + suffix) else None
+                       for p in parts]
+            if any(m is None or m not in held for m in members):
+                continue
+            views, row = [], 0
+            for m in members:
+                b = held[m]
+                views.append(View(m, b, (slice(row, row + b.sizes[0]),) + tuple(slice(0, s) for s in b.sizes[1:])))
+                row += b.sizes[0]
+                done.add(m)
+            rest = held[members[0]].sizes[1:]
+            out.append(EngineTensor(stem + fused + suffix, (row, *rest), tensors[t].dtype, tuple(views)))
+    # routed experts: stacked per layer, this rank's experts in global order
+    stacks: dict[str, dict] = {}
+    for t, box in held.items():
+        m = _EXPERT_RE.match(tensors[t].name)
+        if m and t not in done:
+            st = stacks.setdefault(m["pre"], {})
+            st.setdefault(int(m["e"]), {})[m["proj"]] = (t, box)
+    for pre, experts in stacks.items():
+        order = sorted(experts)
+        first = experts[order[0]]
+        if set(first) != {"gate_proj", "up_proj", "down_proj"}:
+            continue
+        g, d = first["gate_proj"][1], first["down_proj"][1]
+        w13, w2 = [], []
+        for j, e in enumerate(order):
+            parts = experts[e]
+            (tg, bg), (tu, bu), (td, bd) = parts["gate_proj"], parts["up_proj"], parts["down_proj"]
+            w13.append(View(tg, bg, (j, slice(0, bg.sizes[0]), slice(0, bg.sizes[1]))))
+            w13.append(View(tu, bu, (j, slice(bg.sizes[0], bg.sizes[0] + bu.sizes[0]), slice(0, bu.sizes[1]))))
+            w2.append(View(td, bd, (j, slice(0, bd.sizes[0]), slice(0, bd.sizes[1]))))
+            done.update((tg, tu, td))
+        dtype = tensors[first["gate_proj"][0]].dtype
+        out.append(EngineTensor(f"{pre}.{EXPERT_STACK}.w13_weight", (len(order), 2 * g.sizes[0], g.sizes[1]), dtype,
+                                tuple(w13)))
+        out.append(EngineTensor(f"{pre}.{EXPERT_STACK}.w2_weight", (len(order), d.sizes[0], d.sizes[1]), dtype,
+                                tuple(w2)))
+    # everything else keeps its checkpoint name; a padded vocab keeps its padded length
+    for t, box in held.items():
+        if t in done:
+            continue
+        p = layout.placements[t]
+        shape = tuple(box.sizes)
+        if p.pad > 1 and re.search(_VOCAB, tensors[t].name):
+            shape = (_padded_part(tensors[t].shape[0], p), *shape[1:])
+        region = tuple(slice(0, s) for s in box.sizes)
+        out.append(EngineTensor(tensors[t].name, shape, tensors[t].dtype, (View(t, box, region),)))
+    order_of = {name: i for i, name in enumerate(t.name for t in tensors)}
+    out.sort(key=lambda et: min(order_of[tensors[v.tensor].name] for v in et.views))
+    return out
+
+
+def _padded_part(n: int, placement) -> int:
+    """Rows of one TP rank's part of a vocab of `n` rows padded as vLLM pads it."""
+    parts = 1
+    for s, size in zip(placement.shard, placement.mesh.shape):
+        if s == 0:
+            parts *= size
+    padded = -(-n // placement.pad) * placement.pad
+    return -(-padded // parts)
+
+
+def summary(layout, rank: int | None = None) -> dict:
+    """What one destination rank's engine storage holds (the group's first rank unless given): engine tensors,
+    their bytes, the checkpoint bytes that land in them through views, and how many tensors are fused or
+    stacked. Every checkpoint byte a rank holds has a view, so all of it is written in place."""
+    rank = layout.ranks[0] if rank is None else rank
+    tensors = storage(layout, rank)
+    filled = sum(v.box.numel * layout.manifest.tensors[v.tensor].itemsize for et in tensors for v in et.views)
+    total = sum(et.nbytes for et in tensors)
+    held = sum(b.numel * layout.manifest.tensors[t].itemsize for t, b in layout.held(rank))
+    return {"format": "vllm", "rank": rank, "engine_tensors": len(tensors), "engine_bytes": total,
+            "checkpoint_bytes": held, "direct_bytes": filled, "padding_bytes": total - filled,
+            "fused_tensors": sum(len(et.views) > 1 for et in tensors)}

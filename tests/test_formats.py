@@ -1,0 +1,94 @@
+"""`format: vllm` without vLLM: the expansion's rules, vLLM's own split rules, and every bad input as one line.
+(tests/test_vllm_format.py proves the storage against vLLM's loader.)"""
+import pytest
+
+from reshard_cli.errors import ConfigError
+from reshard_cli.formats import vllm
+from reshard_cli.plan.geometry import chunk_range
+from reshard_cli.spec.layout import expert_owner, load_layout
+
+
+def layout(tmp_path, body, name="infer.yaml"):
+    p = tmp_path / name
+    p.write_text(body)
+    return load_layout(p, first_rank=0)
+
+
+def test_padded_chunks_follow_vllm_vocab_split():
+    # vLLM: pad 1000 rows to 1024, 512 per TP2 rank; the second rank holds 488 real rows
+    assert [chunk_range(1000, 2, i, pad=64) for i in range(2)] == [(0, 512), (512, 488)]
+    # DTensor semantics stay the default
+    assert [chunk_range(1000, 3, i) for i in range(3)] == [(0, 334), (334, 334), (668, 332)]
+    assert [chunk_range(10, 4, i, pad=64) for i in range(4)] == [(0, 10), (10, 0), (10, 0), (10, 0)]
+
+
+def test_vllm_pipeline_split_matches_get_pp_indices():
+    # vLLM's rule: the remainder goes to the stages before the last, last-but-one first
+    assert vllm.vllm_pp_layers(4, 2) == [2, 2]
+    assert vllm.vllm_pp_layers(5, 2) == [3, 2]
+    assert vllm.vllm_pp_layers(10, 4) == [2, 3, 3, 2]
+    assert vllm.vllm_pp_layers(61, 4) == [15, 15, 16, 15]
+
+
+def test_expert_owners():
+    assert [expert_owner(e, 8, 4, "linear") for e in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [expert_owner(e, 10, 4, "balanced") for e in range(10)] == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    assert [expert_owner(e, 8, 4, "round_robin") for e in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_qwen3_moe_tp8_replicates_kv_heads_and_pads_vocab(tmp_path):
+    lay = layout(tmp_path, "model: qwen3-30b-a3b\nformat: vllm\nmesh: {dp: 2, tp: 8}\n")
+    man = lay.manifest
+    k = man.index("model.layers.0.self_attn.k_proj.weight")
+    hd = man.config["head_dim"]
+    # 4 kv heads over 8 TP ranks: ranks 0,1 hold head 0; ranks 2,3 head 1; ... (vLLM: head r // 2)
+    assert [lay.placements[k].box_of(man.tensors[k].shape, r).offsets[0] for r in range(8)] == \
+        [h * hd for h in (0, 0, 1, 1, 2, 2, 3, 3)]
+    st = {et.name: et for et in vllm.storage(lay, 3)}
+    qkv = st["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.shape == (32 * hd // 8 + 2 * hd, 2048)  # this rank's q heads + one k and one v head
+    w13 = st["model.layers.0.mlp.experts.routed_experts.w13_weight"]
+    assert w13.shape == (128, 2 * 768 // 8, 2048)  # all experts, TP-sharded (no expert parallelism)
+    assert st["model.embed_tokens.weight"].shape == (151936 // 8, 2048)
+    summary = vllm.summary(lay)
+    assert summary["direct_bytes"] == summary["checkpoint_bytes"] > 0
+
+
+def test_expert_parallel_round_robin_needs_grouped_routing(tmp_path):
+    # Qwen3-MoE has no expert groups: vLLM falls back to linear placement, and so does the layout
+    lay = layout(tmp_path, "model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 4}\n"
+                           "engine: {expert_parallel: true, expert_placement: round_robin}\n")
+    st = {et.name: et for et in vllm.storage(lay, 1)}
+    w2 = st["model.layers.0.mlp.experts.routed_experts.w2_weight"]
+    assert w2.shape[0] == 32 and [int(lay.manifest.tensors[v.tensor].name.split(".")[5]) for v in w2.views[:2]] \
+        == [32, 33]
+    assert lay.expert_order == "balanced"
+    # DeepSeek-V3 routes by groups (n_group 8): round robin holds
+    ds = layout(tmp_path, "model: deepseek-v3\nformat: vllm\nmesh: {tp: 8}\n"
+                          "engine: {expert_parallel: true, expert_placement: round_robin}\n", "ds.yaml")
+    assert ds.expert_order == "round_robin"
+
+
+@pytest.mark.parametrize("body,key,text", [
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 4}\nplacements: []\n", "placements", "derived"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 4, dp: 2}\n", "mesh", "dp, pp, tp in that order"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {ep: 4}\n", "mesh", "dp, pp, tp"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 3}\n", "mesh.tp", "does not divide the model's 32 attention"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {expert_paralel: true}\n", "engine.expert_paralel",
+     "unknown key"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {expert_placement: random}\n",
+     "engine.expert_placement", "linear or round_robin"),
+    ("model: qwen3-30b-a3b\nformat: sglang\nmesh: {tp: 2}\n", "format", "unknown format"),
+    ("model: qwen3-30b-a3b\nmesh: {tp: 2}\nengine: {expert_parallel: true}\n", "engine", "format: hf"),
+])
+def test_bad_vllm_layouts_are_one_line(tmp_path, body, key, text):
+    with pytest.raises(ConfigError) as info:
+        layout(tmp_path, body)
+    msg = str(info.value)
+    assert f": {key}: " in msg and text in msg and "\n" not in msg, msg
+
+
+def test_vllm_format_needs_a_config(tmp_path):
+    (tmp_path / "m.yaml").write_text("tensors:\n  - {name: model.embed_tokens.weight, shape: [8, 4]}\n")
+    with pytest.raises(ConfigError, match="needs the model's HF config"):
+        layout(tmp_path, "model: m.yaml\nformat: vllm\nmesh: {tp: 2}\n")

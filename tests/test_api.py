@@ -55,3 +55,50 @@ def test_live_refit_example():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "outputs equal after every refit" in r.stdout
     assert r.stdout.count("checksums ok") == 5
+
+
+def _own_group(rank, world, src_path, dst_path, port):
+    """The refit runs over its own group, numbered backwards from the default one: a message sent on the
+    default group would reach the wrong process, so exact results prove only the refit group carried them."""
+    from reshard_cli.spec.layout import load_pair
+    from reshard_cli.transfer.comm import refit_group
+    from reshard_cli.transfer.live import Refit
+
+    group = refit_group("127.0.0.1", port, world - 1 - rank, world)
+    me = group.rank
+    src, dst = load_pair(src_path, dst_path)
+    man = src.manifest.tensors
+    role = "src" if me in src.ranks else "dst" if me in dst.ranks else "idle"
+    refit = Refit(role=role, src=src_path, dst=dst_path, mode="reshard", group=group)
+    full = {s.name: (torch.arange(s.numel, dtype=torch.float32).reshape(s.shape) + 0.5).to(getattr(torch, s.dtype))
+            for s in man}
+    layout = src if role == "src" else dst
+    tensors = {}
+    if role != "idle":
+        for t, box in layout.held(me):
+            s = man[t]
+            tensors[s.name] = full[s.name][box.slices()].clone() if role == "src" else \
+                torch.full(box.sizes, -7.0).to(full[s.name].dtype)
+    stats = refit(tensors, verify_checksums=True)
+    exact = all(torch.equal(tensors[man[t].name], full[man[t].name][box.slices()])
+                for t, box in dst.held(me)) if role == "dst" else True
+    return stats.checksums_ok and exact
+
+
+def test_refit_over_its_own_group(tmp_path):
+    from dist_util import free_port
+
+    src, dst = write_pair(tmp_path, "tp2_to_tp3")
+    results = run_ranks(5, _own_group, str(src), str(dst), free_port())
+    assert all(results.values()), results
+
+
+def test_own_group_needs_reshard_mode():
+    import pytest
+
+    from reshard_cli.errors import ConfigError
+    from reshard_cli.transfer.comm import GroupComm
+    from reshard_cli.transfer.live import Refit
+
+    with pytest.raises(ConfigError, match="mode reshard"):
+        Refit(role="idle", mode="hybrid", group=GroupComm(None, 0, 1))

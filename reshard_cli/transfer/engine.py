@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from reshard_cli.plan import schedule
 from reshard_cli.plan.geometry import Box
 from reshard_cli.plan.planner import Bcast, Plan
 from reshard_cli.plan.schedule import TransferOptions
+from reshard_cli.transfer.comm import WORLD
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Engine:
     options: TransferOptions = field(default_factory=TransferOptions)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     progress: Callable[[int], None] | None = None
+    comm: object = WORLD  # who carries the bytes (transfer.comm): the default group or a refit group
 
     def __post_init__(self):
         man = self.plan.src.manifest.tensors
@@ -55,7 +56,7 @@ class Engine:
         """Create one broadcast group per root. Collective: every rank of the world calls it, same order."""
         for root in schedule.broadcast_roots(self.plan):
             ranks = sorted({root, *self.plan.dst.ranks})
-            g = dist.new_group(ranks)
+            g = self.comm.new_group(ranks)
             if self.rank in ranks:
                 self._groups[root] = g
 
@@ -110,7 +111,7 @@ class Engine:
                 if op.send:
                     for t, box, off in op.items:
                         self._slot(tensor, t, box, off).copy_(read(t, box))
-            work = dist.isend(tensor, op.peer) if op.send else dist.irecv(tensor, op.peer)
+            work = self.comm.isend(tensor, op.peer) if op.send else self.comm.irecv(tensor, op.peer)
             pending.append((work, op, tensor, slot))
         while pending:
             self._finish(pending.popleft(), free)
@@ -137,7 +138,7 @@ class Engine:
             for bc, off in pack.tensors:  # gather on the root, tensor by tensor, in pack order
                 self._gather(bc, buf, off)
             if buf is not None:
-                dist.broadcast(buf, src=pack.root, group=self._groups[pack.root])
+                self.comm.broadcast(buf, pack.root, self._groups[pack.root])
                 if is_root:
                     self.bytes_sent += pack.nbytes
                     if self.progress:
@@ -161,12 +162,12 @@ class Engine:
             for s, a in bc.gather:
                 region = full[a.slices()]
                 if region.is_contiguous():
-                    dist.recv(region, s)
+                    self.comm.irecv(region, s).wait()
                 else:
                     tmp = torch.empty(a.sizes, dtype=region.dtype, device=self.device)
-                    dist.recv(tmp, s)
+                    self.comm.irecv(tmp, s).wait()
                     region.copy_(tmp)
         else:
             for s, a in bc.gather:
                 if s == self.rank:
-                    dist.send(self._src_view(t, a).contiguous(), bc.root)
+                    self.comm.isend(self._src_view(t, a).contiguous(), bc.root).wait()

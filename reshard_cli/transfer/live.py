@@ -28,6 +28,7 @@ from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.spec.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.transfer import verify
+from reshard_cli.transfer.comm import WORLD, GroupComm
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.shards import LocalShard
 
@@ -42,13 +43,21 @@ class RefitStats:
 class Refit:
     def __init__(self, role: str, *, src: str | Path | Layout | None = None, dst: str | Path | Layout | None = None,
                  topology: str | Path | Topology | None = None, mode: str = "hybrid", bucket_mb: float = 64,
-                 reshard_match: str | None = None, device: torch.device | str | None = None):
+                 reshard_match: str | None = None, device: torch.device | str | None = None,
+                 group: GroupComm | None = None):
+        """`group`: a refit group of its own (`transfer.comm.refit_group`) instead of the default process group,
+        for processes whose default group belongs to someone else (an inference engine's workers). Ranks in
+        the layouts, and a DTensor mesh's ranks, are then the group's ranks; the mode must be `reshard`."""
         if role not in ("src", "dst", "idle"):
             raise ConfigError(f"role must be 'src', 'dst' or 'idle', not {role!r}", key="role")
-        if not dist.is_initialized():
-            raise ConfigError("call torch.distributed.init_process_group before creating a Refit", key="Refit")
+        if group is None and not dist.is_initialized():
+            raise ConfigError("call torch.distributed.init_process_group before creating a Refit, or pass group=",
+                              key="Refit")
+        if group is not None and mode != "reshard":
+            raise ConfigError(f"a refit over its own group runs in mode reshard, not {mode!r}", key="mode")
+        self.comm = group if group is not None else WORLD
         self.role = role
-        self.rank = dist.get_rank()
+        self.rank = self.comm.rank
         if isinstance(src, (str, Path)) and isinstance(dst, (str, Path)):
             self._src, self._dst = load_pair(src, dst)  # dst ranks default to right after src
         else:
@@ -65,13 +74,13 @@ class Refit:
             self._setup(tensors)
         else:
             self._rebind(tensors)
-        dist.barrier()
+        self.comm.barrier()
         t0 = time.perf_counter()
         self.engine.run_reshard()
         self.engine.run_broadcast()
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
-        dist.barrier()
+        self.comm.barrier()
         stats = RefitStats(time.perf_counter() - t0, self.engine.bytes_sent, None)
         if verify_checksums:
             stats.checksums_ok = self._verify()
@@ -81,8 +90,7 @@ class Refit:
 
     def _setup(self, tensors: Mapping[str, torch.Tensor]) -> None:
         specs = {name: _spec_of(name, x) for name, x in tensors.items()}
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self.role, specs))
+        gathered = self.comm.all_gather_object((self.role, specs))
         layouts = {}
         for role, given in (("src", self._src), ("dst", self._dst)):
             if given is not None:
@@ -111,7 +119,8 @@ class Refit:
         src_shards, dst_shards = self._shards(tensors)
         device = self.device or next((s.data.device for s in (*src_shards.values(), *dst_shards.values())),
                                      torch.device("cpu"))
-        self.engine = Engine(self.plan, self.rank, src_shards, dst_shards, options=self.options, device=device)
+        self.engine = Engine(self.plan, self.rank, src_shards, dst_shards, options=self.options, device=device,
+                             comm=self.comm)
         self.engine.setup_groups()
 
     def _shards(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -150,9 +159,10 @@ class Refit:
     def _verify(self) -> bool:
         """Checksums: each destination shard against the sources' checksum of the same box (collective)."""
         eng = self.engine
-        _actual, mismatched, _ = verify.mismatched_checksums(self.plan, self.rank, eng.src_shards, eng.dst_shards)
+        _actual, mismatched, _ = verify.mismatched_checksums(self.plan, self.rank, eng.src_shards, eng.dst_shards,
+                                                             comm=self.comm)
         flag = torch.tensor([1 if mismatched else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce_max(flag)
         return int(flag.item()) == 0
 
 

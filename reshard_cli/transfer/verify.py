@@ -138,17 +138,16 @@ def merge_contributions(parts) -> dict:
     return out
 
 
-def mismatched_checksums(plan, rank: int, src_shards: dict, dst_shards: dict,
-                         extra=None) -> tuple[dict[int, int], list[int], list]:
-    """Collective (every rank of the world): each destination shard's checksum against the sources' checksum
-    of the same box. Returns (this rank's checksum per tensor, the tensors whose checksum differs, and what every
-    rank passed as `extra`)."""
-    import torch.distributed as dist
+def mismatched_checksums(plan, rank: int, src_shards: dict, dst_shards: dict, extra=None,
+                         comm=None) -> tuple[dict[int, int], list[int], list]:
+    """Collective (every rank of `comm`, the default group when None): each destination shard's checksum against
+    the sources' checksum of the same box. Returns (this rank's checksum per tensor, the tensors whose checksum
+    differs, and what every rank passed as `extra`)."""
+    from reshard_cli.transfer.comm import WORLD
 
     man = plan.src.manifest.tensors
     actual = {t: checksum(sh.data, sh.box, man[t].shape) for t, sh in dst_shards.items()}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (source_contributions(plan, rank, src_shards), extra))
+    gathered = (comm or WORLD).all_gather_object((source_contributions(plan, rank, src_shards), extra))
     expected = merge_contributions(c for c, _x in gathered)
     bad = [t for t, sh in dst_shards.items() if sh.box.numel and expected.get((t, sh.box.offsets), 0) != actual[t]]
     return actual, bad, [x for _c, x in gathered]

@@ -1,0 +1,121 @@
+"""Who carries the bytes: the job's default process group, or a refit group of its own.
+
+A refit often runs between processes that already belong to other worlds: an inference engine owns its
+workers' default process group, a trainer its own. Such a refit joins a separate group — `refit_group()`
+makes one over a TCP rendezvous without touching torch.distributed's global state — and the engine, the
+verification and the live API talk through a `Comm`:
+
+    WorldComm()            the default process group (torchrun jobs, `reshard run`, `reshard bench`)
+    GroupComm(pg)          a stand-alone ProcessGroup: point-to-point and small collectives only
+
+Ranks are always the refit's ranks (the ones the layouts name). The broadcast path needs sub-groups per
+root, which a stand-alone group cannot make here: over a `GroupComm` use the reshard mode (it also moves the
+fewest bytes).
+"""
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from reshard_cli.errors import ConfigError
+
+
+class WorldComm:
+    """The default process group."""
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size()
+
+    def isend(self, t: torch.Tensor, peer: int):
+        return dist.isend(t, peer)
+
+    def irecv(self, t: torch.Tensor, peer: int):
+        return dist.irecv(t, peer)
+
+    def new_group(self, ranks: list[int]):
+        return dist.new_group(ranks)
+
+    def broadcast(self, t: torch.Tensor, root: int, group) -> None:
+        dist.broadcast(t, src=root, group=group)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_gather_object(self, obj) -> list:
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+
+class GroupComm:
+    """A stand-alone ProcessGroup (not registered with torch.distributed), for example from `refit_group`."""
+
+    def __init__(self, pg, rank: int, size: int):
+        self.pg, self._rank, self._size = pg, rank, size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def isend(self, t: torch.Tensor, peer: int):
+        return self.pg.send([t], peer, 0)
+
+    def irecv(self, t: torch.Tensor, peer: int):
+        return self.pg.recv([t], peer, 0)
+
+    def new_group(self, ranks: list[int]):
+        raise ConfigError("the broadcast path needs the job's default process group; a refit over its own group "
+                          "runs in mode reshard", key="mode")
+
+    def broadcast(self, t: torch.Tensor, root: int, group) -> None:
+        raise ConfigError("the broadcast path needs the job's default process group", key="mode")
+
+    def barrier(self) -> None:
+        flag = torch.zeros(1)
+        self.pg.allreduce([flag]).wait()
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's `obj` (pickled, as torch's own all_gather_object does, between this job's processes)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._size)]
+        self.pg.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._size)]
+        self.pg.allgather([outs], [padded]).wait()
+        return [pickle.loads(o[:int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]  # noqa: S301
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.pg.allreduce([t], opts).wait()
+
+
+def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 300.0) -> GroupComm:
+    """Join (rank 0: host) a gloo group of `size` processes over a TCP store at host:port, leaving
+    torch.distributed's default group, if any, untouched."""
+    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("reshard-refit", store), rank, size,
+                               timedelta(seconds=timeout))
+    comm = GroupComm(pg, rank, size)
+    comm._store = store  # keep the store (and, on rank 0, its server) alive with the group
+    return comm
+
+
+WORLD = WorldComm()

@@ -92,3 +92,21 @@ def test_vllm_format_needs_a_config(tmp_path):
     (tmp_path / "m.yaml").write_text("tensors:\n  - {name: model.embed_tokens.weight, shape: [8, 4]}\n")
     with pytest.raises(ConfigError, match="needs the model's HF config"):
         layout(tmp_path, "model: m.yaml\nformat: vllm\nmesh: {tp: 2}\n")
+
+
+def test_bind_names_the_first_mismatch(tmp_path):
+    import torch
+
+    lay = layout(tmp_path, "model: qwen3-0.6b\nformat: vllm\nmesh: {tp: 2}\n")
+    params = {et.name: torch.zeros(et.shape, dtype=torch.bfloat16) for et in vllm.storage(lay, 0)}
+    views = vllm.bind(params, lay, 0)
+    assert set(views) == {lay.manifest.tensors[t].name for t, _box in lay.held(0)}  # every held tensor, a view
+    qkv = params["model.layers.0.self_attn.qkv_proj.weight"]
+    k = views["model.layers.0.self_attn.k_proj.weight"]
+    assert k.data_ptr() > qkv.data_ptr() and k.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    params["model.layers.0.self_attn.qkv_proj.weight"] = torch.empty(0, dtype=torch.bfloat16)  # CPU repack
+    with pytest.raises(ConfigError, match="qkv_proj.weight is \\[0\\].*kernel format"):
+        vllm.bind(params, lay, 0)
+    del params["model.layers.0.self_attn.qkv_proj.weight"]
+    with pytest.raises(ConfigError, match="no parameter 'model.layers.0.self_attn.qkv_proj.weight'"):
+        vllm.bind(params, lay, 0)

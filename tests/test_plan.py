@@ -130,3 +130,20 @@ def test_schedule_ends_agree(tmp_path, pair, bucket, direct):
                 (sends if o.send else recvs)[(o.key, rank if o.send else o.peer, o.peer if o.send else rank)] = o.nbytes
         assert sends == recvs and sends
         assert all(n <= max(bucket // 2, schedule.ALIGN) or direct <= n for n in sends.values())
+
+
+def test_layouts_listing_tensors_in_other_orders_pair_by_name(tmp_path):
+    """A checkpoint's header order and a config's order differ; the plan must still pair tensors by name."""
+    (tmp_path / "a.yaml").write_text("tensors:\n  - {name: x, shape: [4, 6]}\n  - {name: y, shape: [8, 2]}\n")
+    (tmp_path / "b.yaml").write_text("tensors:\n  - {name: y, shape: [8, 2]}\n  - {name: x, shape: [4, 6]}\n")
+    (tmp_path / "src.yaml").write_text("model: a.yaml\nmesh: {tp: 2}\nplacements:\n  - {match: x, shard: {tp: 0}}\n")
+    (tmp_path / "dst.yaml").write_text("model: b.yaml\nmesh: {tp: 2}\nplacements:\n  - {match: x, shard: {tp: 1}}\n")
+    src, dst = load_pair(tmp_path / "src.yaml", tmp_path / "dst.yaml")
+    assert [t.name for t in dst.manifest.tensors] == ["x", "y"]
+    plan = Plan(src, dst, mode="reshard")
+    x = [p for p in plan.pieces() if p.tensor == 0]
+    assert {p.box.sizes for p in x} == {(2, 3)}  # rows of x (src) meet columns of x (dst), not y
+    from reshard_cli.errors import ConfigError
+    from reshard_cli.spec.layout import load_layout
+    with pytest.raises(ConfigError, match="different orders"):
+        Plan(src, load_layout(tmp_path / "dst.yaml", first_rank=2))

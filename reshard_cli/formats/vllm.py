@@ -277,3 +277,32 @@ def summary(layout, rank: int | None = None) -> dict:
     return {"format": "vllm", "rank": rank, "engine_tensors": len(tensors), "engine_bytes": total,
             "checkpoint_bytes": held, "direct_bytes": filled, "padding_bytes": total - filled,
             "fused_tensors": sum(len(et.views) > 1 for et in tensors)}
+
+
+def bind(params: dict, layout, rank: int) -> dict:
+    """This rank's destination buffers as views into a live vLLM model's parameters (`named_parameters()`),
+    keyed by checkpoint tensor name, ready for `Refit` (which writes into them in place). Every engine tensor
+    the layout expects must exist with its shape and dtype; otherwise one ConfigError names the first mismatch
+    (a parameter vLLM has repacked into a kernel format shows up here as a shape mismatch)."""
+    import torch
+
+    names = [t.name for t in layout.manifest.tensors]
+    out = {}
+    for et in storage(layout, rank):
+        p = params.get(et.name)
+        if p is None:
+            close = [n for n in params if n.rsplit(".", 2)[-2:] == et.name.rsplit(".", 2)[-2:]][:1]
+            raise ConfigError(f"rank {rank}: the engine has no parameter {et.name!r}"
+                              + (f" (it has {close[0]!r})" if close else ""), key="dst")
+        data = p.data if isinstance(p, torch.nn.Parameter) else p
+        if tuple(data.shape) != et.shape or str(data.dtype).removeprefix("torch.") != et.dtype:
+            raise ConfigError(f"rank {rank}: engine parameter {et.name} is {list(data.shape)} {data.dtype}, the layout "
+                              f"expects {list(et.shape)} {et.dtype}"
+                              + (" (repacked into a kernel format: reload it first)" if data.numel() == 0 else ""),
+                              key="dst")
+        for v in et.views:
+            view = data[v.region]
+            if not view.is_contiguous():
+                raise ConfigError(f"rank {rank}: {et.name}{list(v.region)} is not contiguous", key="dst")
+            out[names[v.tensor]] = view
+    return out

@@ -301,6 +301,9 @@ class Plan:
     def __post_init__(self):
         if self.reshard_match is None:
             self.reshard_match = DEFAULT_RESHARD_MATCH
+        if [t.name for t in self.src.manifest.tensors] != [t.name for t in self.dst.manifest.tensors]:
+            raise ConfigError("the src and dst layouts list their tensors in different orders; load them with "
+                              "load_pair or reorder one with Layout.in_order_of", key="dst")
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r} (modes: {', '.join(MODES)})", key="--mode")
         try:

@@ -17,7 +17,7 @@ can treat all tensors with the same (shape, dtype, src placement, dst placement)
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import product
 from pathlib import Path
@@ -142,6 +142,16 @@ class Layout:
 
     def placement(self, tensor: int) -> Placement:
         return self.placements[tensor]
+
+    def in_order_of(self, manifest: Manifest) -> "Layout":
+        """This layout with its tensors (and their placements) in `manifest`'s order, which must list the same
+        names: a plan pairs the two layouts' tensors by position."""
+        names = [t.name for t in manifest.tensors]
+        if names == [t.name for t in self.manifest.tensors]:
+            return self
+        order = [self.manifest.index(n) for n in names]
+        reordered = replace(self.manifest, tensors=tuple(self.manifest.tensors[i] for i in order))
+        return replace(self, manifest=reordered, placements=tuple(self.placements[i] for i in order))
 
     def held(self, rank: int) -> list[tuple[int, Box]]:
         """(tensor index, global box) of every tensor `rank` holds in this layout, in manifest order."""
@@ -343,7 +353,7 @@ def load_pair(src_path: str | Path, dst_path: str | Path, *, scale: int = 1) -> 
     diff = src.manifest.diff(dst.manifest)
     if diff:
         raise ConfigError(f"src and dst models differ: {'; '.join(diff)}", file=dst.file, key="model")
-    return src, dst
+    return src, dst.in_order_of(src.manifest)  # e.g. a checkpoint's header order against a config's order
 
 
 def _parse_pipeline(doc, file, meshes, all_dims, num_layers) -> tuple[str | None, tuple[int, ...]]:

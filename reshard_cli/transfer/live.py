@@ -106,12 +106,13 @@ class Refit:
                         merged.setdefault(name, s)
             if not merged:
                 raise ConfigError(f"no {role} layout given and no rank passed DTensors as {role}", key=role)
-            other = layouts.get("src")
+            other = layouts.get("src") or self._dst  # list the tensors in a given layout's order
             layouts[role] = _layout_from_specs(role, merged, other.manifest if other else None)
         src, dst = layouts["src"], layouts["dst"]
         diff = src.manifest.diff(dst.manifest)
         if diff:
             raise ConfigError(f"src and dst models differ: {'; '.join(diff)}", key="dst")
+        dst = dst.in_order_of(src.manifest)  # the plan pairs tensors by position
         overlap = set(src.ranks) & set(dst.ranks)
         if overlap:
             raise ConfigError(f"src and dst ranks overlap (rank {min(overlap)})", key="ranks")

@@ -79,6 +79,8 @@ def test_expert_parallel_round_robin_needs_grouped_routing(tmp_path):
     ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {expert_placement: random}\n",
      "engine.expert_placement", "linear or round_robin"),
     ("model: qwen3-30b-a3b\nformat: sglang\nmesh: {tp: 2}\n", "format", "unknown format"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {pp: 2}\nengine: {expert_parallel: true}\n",
+     "engine.expert_parallel", "neither"),
     ("model: qwen3-30b-a3b\nmesh: {tp: 2}\nengine: {expert_parallel: true}\n", "engine", "format: hf"),
 ])
 def test_bad_vllm_layouts_are_one_line(tmp_path, body, key, text):

@@ -79,6 +79,9 @@ def expand(doc: dict, manifest, file: str) -> dict:
             raise ConfigError(f"unknown key (allowed: {', '.join(ENGINE_KEYS)})", file=file, key=f"engine.{k}",
                               line=_line(engine, k))
     ep = bool(engine.get("expert_parallel", False))
+    if ep and not ({"dp", "tp"} & set(dims)):
+        raise ConfigError("expert parallelism spreads experts over the dp x tp ranks; this mesh has neither",
+                          file=file, key="engine.expert_parallel", line=_line(engine, "expert_parallel"))
     order = engine.get("expert_placement", "linear")
     if order not in ("linear", "round_robin"):
         raise ConfigError(f"expected linear or round_robin, got {order!r}", file=file,

@@ -1,4 +1,6 @@
-"""A live refit from trainer DTensors straight into a vLLM model's own parameters, checked by vLLM's loader.
+"""A live refit from trainer DTensors straight into a vLLM model's own parameters, checked by vLLM's loader:
+once through `Refit` and `formats.vllm.bind` directly, once through the `reshard` weight-transfer backend as
+vLLM builds it (its plugin loader runs our entry point, its factory creates the worker engine).
 
 Four processes, three process groups: the trainer (ranks 0-1) has its own world and holds a tiny Qwen3-MoE as
 DTensors sharded over it (Shard(0), as FSDP2 shards); the inference side (ranks 2-3) has another world with
@@ -12,6 +14,7 @@ on GPUs (the CPU engine repacks linear weights after loading; that path is not t
 import json
 import os
 import traceback
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -27,6 +30,54 @@ STEPS = 2
 def _full(layout_manifest, step):
     gen = torch.Generator().manual_seed(100 + step)
     return {s.name: torch.randn(s.shape, generator=gen).to(getattr(torch, s.dtype)) for s in layout_manifest.tensors}
+
+
+def _real(layout, rank):
+    """Per engine parameter, the elements that hold checkpoint data (all but the vocab's padding rows)."""
+    from reshard_cli.formats import vllm as fmt
+
+    masks = {}
+    for et in fmt.storage(layout, rank):
+        mask = torch.zeros(et.shape, dtype=torch.bool)
+        for v in et.views:
+            mask[v.region] = True
+        masks[et.name] = mask
+    return masks
+
+
+def _differ_from_vllm_loader(model, layout, real, step) -> list[str]:
+    """Load the same step's checkpoint with vLLM's own `load_weights` and name the parameters whose real
+    elements the refit did not write identically."""
+    params = dict(model.named_parameters())
+    assert set(real) == set(params)
+    got = {n: p.data.clone() for n, p in params.items()}
+    model.load_weights(iter(_full(layout.manifest, step).items()))
+    return [n for n, p in params.items()
+            if not torch.equal(got[n][real[n]].view(torch.int16), p.data[real[n]].view(torch.int16))]
+
+
+@contextmanager
+def _vllm_tp2(rank, ports, model_dir):
+    """A real vLLM model on this engine rank (2 or 3): vLLM's own world of two, its TP2 parallel state."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["engine"]), VLLM_CPU_KVCACHE_SPACE="1",
+                      VLLM_DIST_IDENT=f"reshard-test-{ports['engine']}")
+    import torch.distributed as dist
+    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    local = rank - 2
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
+    vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=2),
+                    device_config=DeviceConfig("cpu"))
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=2, rank=local, local_rank=local, backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=2)
+        with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
+            model = initialize_model(vllm_config=vc)
+        yield vc, model
+    dist.destroy_process_group()
 
 
 def _trainer(rank, ports, model_dir, dst_yaml):
@@ -54,29 +105,12 @@ def _trainer(rank, ports, model_dir, dst_yaml):
 
 
 def _engine(rank, ports, model_dir, dst_yaml):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["engine"]), VLLM_CPU_KVCACHE_SPACE="1",
-                      VLLM_DIST_IDENT=f"reshard-test-{ports['engine']}")
-    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
     from reshard_cli.formats import vllm as fmt
     from reshard_cli.spec.layout import load_layout
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
 
-    local = rank - 2
-    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
-    vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=2),
-                    device_config=DeviceConfig("cpu"))
-    with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=2, rank=local, local_rank=local, backend="gloo")
-        initialize_model_parallel(tensor_model_parallel_size=2)
-        with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
-            model = initialize_model(vllm_config=vc)
+    with _vllm_tp2(rank, ports, model_dir) as (_vc, model):
         group = refit_group("127.0.0.1", ports["refit"], rank, 4)
         layout = load_layout(dst_yaml)
         params = dict(model.named_parameters())
@@ -85,48 +119,32 @@ def _engine(rank, ports, model_dir, dst_yaml):
         views = fmt.bind(params, layout, rank)
         ptrs = {n: p.data.data_ptr() for n, p in params.items()}
         refit = Refit(role="dst", dst=dst_yaml, mode="reshard", group=group)
-        real = {}  # per parameter, the elements that hold checkpoint data (not the vocab's padding rows)
-        for et in fmt.storage(layout, rank):
-            mask = torch.zeros(et.shape, dtype=torch.bool)
-            for v in et.views:
-                mask[v.region] = True
-            real[et.name] = mask
-        assert set(real) == set(params)
+        real = _real(layout, rank)
         out = []
         for step in range(STEPS):
             ok = refit(views, verify_checksums=True).checksums_ok
-            got = {n: p.data.clone() for n, p in params.items()}
-            model.load_weights(iter(_full(layout.manifest, step).items()))  # vLLM's own loader, same weights
-            differ = [n for n, p in params.items()
-                      if not torch.equal(got[n][real[n]].view(torch.int16), p.data[real[n]].view(torch.int16))]
-            out.append((ok, differ))
+            out.append((ok, _differ_from_vllm_loader(model, layout, real, step)))
             for p in params.values():  # the next refit must write everything again
                 p.data.view(torch.uint8).fill_(0xA5)
         assert all(p.data.data_ptr() == ptrs[n] for n, p in params.items()), "parameters were replaced"
-    dist.destroy_process_group()
     return out
 
 
-def _entry(rank, ports, model_dir, dst_yaml, queue):
+def _entry(rank, trainer, engine, args, queue):
     try:
-        fn = _trainer if rank < 2 else _engine
-        queue.put((rank, "ok", fn(rank, ports, model_dir, dst_yaml)))
+        queue.put((rank, "ok", trainer(rank, *args) if rank < 2 else engine(rank, *args)))
     except BaseException:  # noqa: BLE001
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def test_refit_into_vllm_parameters(tmp_path):
+def _four(trainer, engine, *args) -> dict:
+    """Ranks 0-1 run `trainer(rank, ports, *args)`, ranks 2-3 `engine(rank, ports, *args)`; every rank's result."""
     import torch.multiprocessing as mp
 
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(QWEN3_MOE))
-    dst = tmp_path / "vllm.yaml"
-    dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nranks: 2-3\nmesh: {{tp: 2}}\n")
     ports = {"trainer": free_port(), "engine": free_port(), "refit": free_port()}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, ports, str(model_dir), str(dst), queue)) for r in range(4)]
+    procs = [ctx.Process(target=_entry, args=(r, trainer, engine, (ports, *args), queue)) for r in range(4)]
     for p in procs:
         p.start()
     results, errors = {}, {}
@@ -140,7 +158,99 @@ def test_refit_into_vllm_parameters(tmp_path):
             if p.is_alive():
                 p.kill()
     assert not errors, "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items(), reverse=True))
+    return results
+
+
+def _model_dir(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(QWEN3_MOE))
+    return model_dir
+
+
+def test_refit_into_vllm_parameters(tmp_path):
+    model_dir = _model_dir(tmp_path)
+    dst = tmp_path / "vllm.yaml"
+    dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nranks: 2-3\nmesh: {{tp: 2}}\n")
+    results = _four(_trainer, _engine, str(model_dir), str(dst))
     assert results[0] == results[1] == [True] * STEPS
     for rank in (2, 3):
         for step, (ok, differ) in enumerate(results[rank]):
             assert ok and not differ, f"rank {rank} step {step}: checksums {ok}, differ from vLLM's loader: {differ}"
+
+
+# ------------------------------------------------------------------------ through vLLM's backend machinery
+
+def _trainer_yaml(rank, ports, model_dir, src_yaml, dst_yaml):
+    """The trainer as the backend's peer: the same source layout YAML the engine receives in its init info."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from reshard_cli.spec.layout import load_pair
+    from reshard_cli.transfer.comm import refit_group
+    from reshard_cli.transfer.live import Refit
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = DeviceMesh("cpu", [0, 1])
+    group = refit_group("127.0.0.1", ports["refit"], rank, 4)
+    src, _dst = load_pair(src_yaml, dst_yaml)
+    refit = Refit(role="src", src=src_yaml, dst=dst_yaml, mode="reshard", group=group)
+    out = []
+    for step in range(STEPS):
+        params = {n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(src.manifest, step).items()}
+        out.append(refit(params, verify_checksums=True).checksums_ok)
+    dist.destroy_process_group()
+    return out
+
+
+def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
+    """vLLM worker side: vLLM's plugin loader registers `reshard` (our entry point), vLLM's factory builds the
+    worker engine from a WeightTransferConfig, and the worker calls init / update as vLLM's worker does."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    from reshard_cli.spec.layout import load_layout
+
+    with _vllm_tp2(rank, ports, model_dir) as (vc, model):
+        load_general_plugins()
+        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), vc,
+                                                           torch.device("cpu"), model)
+        info = {"host": "127.0.0.1", "port": ports["refit"], "world_size": 4,
+                "src": open(src_yaml).read(), "dst": open(dst_yaml).read()}
+        engine.init_transfer_engine(engine.parse_init_info(info))
+        layout = load_layout(dst_yaml)
+        real = _real(layout, rank)
+        out = []
+        for step in range(STEPS):
+            for p in model.parameters():  # sentinel: a region the refit misses cannot pass
+                p.data.view(torch.uint8).fill_(0xA5)
+            engine.start_weight_update()
+            engine.update_weights({"verify": True})
+            engine.finish_weight_update()
+            out.append((engine.last_stats.checksums_ok, _differ_from_vllm_loader(model, layout, real, step)))
+        # a layout that does not describe this engine fails the init call with one line, before any transfer
+        bad = info | {"dst": open(dst_yaml).read().replace("{tp: 2}", "{dp: 2}")}
+        try:
+            engine.init_transfer_engine(engine.parse_init_info(bad))
+            out.append("accepted a wrong layout")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_backend_through_vllms_plugin_and_factory(tmp_path):
+    model_dir = _model_dir(tmp_path)
+    src = tmp_path / "train.yaml"
+    src.write_text(f"model: {model_dir / 'config.json'}\nranks: 0-1\nmesh: {{fsdp: 2}}\n"
+                   f"placements:\n  - {{match: '.', shard: {{fsdp: 0}}}}\n")
+    dst = tmp_path / "vllm.yaml"
+    dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nranks: 2-3\nmesh: {{tp: 2}}\n")
+    results = _four(_trainer_yaml, _engine_backend, str(model_dir), str(src), str(dst))
+    assert results[0] == results[1] == [True] * STEPS
+    for rank in (2, 3):
+        *steps, bad = results[rank]
+        assert steps == [(True, [])] * STEPS, (rank, steps)
+        assert bad.startswith("reshard: ") and "the layout has tp 1, the engine runs tp 2" in bad, bad

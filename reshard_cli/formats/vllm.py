@@ -259,13 +259,14 @@ def storage(layout, rank: int) -> list[EngineTensor]:
 
 
 def _padded_part(n: int, placement) -> int:
-    """Rows of one TP rank's part of a vocab of `n` rows padded as vLLM pads it."""
+    """Rows of one TP rank's part of a vocab of `n` rows padded as vLLM pads it (one mesh dim shards it)."""
+    from reshard_cli.plan.geometry import chunk_size
+
     parts = 1
     for s, size in zip(placement.shard, placement.mesh.shape):
         if s == 0:
             parts *= size
-    padded = -(-n // placement.pad) * placement.pad
-    return -(-padded // parts)
+    return chunk_size(n, parts, placement.pad)
 
 
 def summary(layout, rank: int | None = None) -> dict:

@@ -19,10 +19,15 @@ def chunk_range(n: int, parts: int, i: int, pad: int = 1) -> tuple[int, int]:
     `pad` > 1 chunks the extent rounded up to a multiple of `pad` and clips the parts to `n`: an inference
     engine's padded vocabulary (vLLM pads it to a multiple of 64, then gives each TP rank an equal part),
     whose padding rows exist only in the engine's storage, not in the checkpoint."""
-    m = -(-n // pad) * pad if pad > 1 else n
-    c = -(-m // parts) if parts else m
+    c = chunk_size(n, parts, pad)
     start = min(i * c, n)
     return start, min(start + c, n) - start
+
+
+def chunk_size(n: int, parts: int, pad: int = 1) -> int:
+    """The extent of one part before clipping to `n` (see `chunk_range`): what an engine allocates per part."""
+    m = -(-n // pad) * pad if pad > 1 else n
+    return -(-m // parts) if parts else m
 
 
 @dataclass(frozen=True, slots=True, order=True)

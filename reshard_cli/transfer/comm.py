@@ -61,8 +61,9 @@ class WorldComm:
 class GroupComm:
     """A stand-alone ProcessGroup (not registered with torch.distributed), for example from `refit_group`."""
 
-    def __init__(self, pg, rank: int, size: int):
+    def __init__(self, pg, rank: int, size: int, device: torch.device | str = "cpu"):
         self.pg, self._rank, self._size = pg, rank, size
+        self.device = torch.device(device)  # where the group's own small tensors live (cuda for NCCL)
 
     @property
     def rank(self) -> int:
@@ -86,34 +87,46 @@ class GroupComm:
         raise ConfigError("the broadcast path needs the job's default process group", key="mode")
 
     def barrier(self) -> None:
-        flag = torch.zeros(1)
+        flag = torch.zeros(1, device=self.device)
         self.pg.allreduce([flag]).wait()
 
     def all_gather_object(self, obj) -> list:
         """Every rank's `obj` (pickled, as torch's own all_gather_object does, between this job's processes)."""
+        dev = self.device
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._size)]
-        self.pg.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self._size)]
+        self.pg.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64, device=dev)]).wait()
         longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[:data.numel()] = data
-        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._size)]
+        padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        padded[:data.numel()] = data.to(dev)
+        outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self._size)]
         self.pg.allgather([outs], [padded]).wait()
-        return [pickle.loads(o[:int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]  # noqa: S301
+        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]  # noqa: S301
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self.pg.allreduce([t], opts).wait()
+        moved = t.to(self.device)
+        self.pg.allreduce([moved], opts).wait()
+        if moved is not t:
+            t.copy_(moved)
 
 
-def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 300.0) -> GroupComm:
-    """Join (rank 0: host) a gloo group of `size` processes over a TCP store at host:port, leaving
-    torch.distributed's default group, if any, untouched."""
+def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 300.0,
+                device: torch.device | str = "cpu") -> GroupComm:
+    """Join (rank 0: host) a group of `size` processes over a TCP store at host:port, leaving torch.distributed's
+    default group, if any, untouched: gloo for CPU tensors, NCCL when `device` is a CUDA device (every rank of
+    one group must pass the same kind)."""
+    device = torch.device(device)
     store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout))
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("reshard-refit", store), rank, size,
-                               timedelta(seconds=timeout))
-    comm = GroupComm(pg, rank, size)
+    prefixed = dist.PrefixStore("reshard-refit", store)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout))
+    comm = GroupComm(pg, rank, size, device if device.type == "cuda" else "cpu")
     comm._store = store  # keep the store (and, on rank 0, its server) alive with the group
     return comm
 

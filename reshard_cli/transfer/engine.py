@@ -49,6 +49,7 @@ class Engine:
         self._groups: dict[int, object] = {}
         self.peak_staging_bytes = 0
         self.bytes_sent = 0
+        self.bytes_received = 0  # reshard path: bytes that arrived at this rank (into its buffers or staging)
 
     # ------------------------------------------------------------------------------------------ groups
 
@@ -124,6 +125,8 @@ class Engine:
                 self._dst_view(t, box).copy_(self._slot(tensor, t, box, off))
         if slot is not None:
             free.append(slot)
+        if not op.send:
+            self.bytes_received += op.nbytes
         if op.send:
             self.bytes_sent += op.nbytes
             if self.progress:

@@ -9,7 +9,8 @@ it after each optimizer step:
 
 A layout left out is read from the DTensors the group's ranks pass on the first call (their device_mesh and
 placements; every rank shares its specs once). The plan, buffers and groups are built on that first call and
-reused by every later refit, so an inference engine's tensors keep their storage (its pointers stay valid).
+reused by every later refit; each call writes into the destination buffers passed with it (usually the same
+storage every time, so an engine's pointers stay valid).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ from reshard_cli.transfer.shards import LocalShard
 @dataclass
 class RefitStats:
     seconds: float
-    bytes_sent: int
+    bytes_sent: int  # by this rank, this refit
     checksums_ok: bool | None  # None when not verified
+    bytes_received: int = 0  # by this rank, this refit
 
 
 class Refit:
@@ -74,6 +76,7 @@ class Refit:
             self._setup(tensors)
         else:
             self._rebind(tensors)
+        self.engine.bytes_sent = self.engine.bytes_received = 0  # this refit's, not a running total
         self.comm.barrier()
         t0 = time.perf_counter()
         self.engine.run_reshard()
@@ -81,7 +84,7 @@ class Refit:
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
         self.comm.barrier()
-        stats = RefitStats(time.perf_counter() - t0, self.engine.bytes_sent, None)
+        stats = RefitStats(time.perf_counter() - t0, self.engine.bytes_sent, None, self.engine.bytes_received)
         if verify_checksums:
             stats.checksums_ok = self._verify()
         return stats
@@ -148,14 +151,9 @@ class Refit:
         return src_shards, dst_shards
 
     def _rebind(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Later refits: same plan; pick up the (possibly new) source tensors, keep destination storage."""
-        src_shards, dst_shards = self._shards(tensors)
-        for t, sh in dst_shards.items():
-            old = self.engine.dst_shards[t].data
-            if sh.data.data_ptr() != old.data_ptr():
-                raise ConfigError(f"rank {self.rank}: destination buffer {self.plan.src.manifest.tensors[t].name} "
-                                  f"changed storage since the first refit", key="tensors")
-        self.engine.src_shards = src_shards
+        """Later refits: same plan, the tensors passed on this call. Destination buffers may be new storage
+        (an engine that re-materializes its weights for each update); they are checked like the first ones."""
+        self.engine.src_shards, self.engine.dst_shards = self._shards(tensors)
 
     def _verify(self) -> bool:
         """Checksums: each destination shard against the sources' checksum of the same box (collective)."""

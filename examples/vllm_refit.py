@@ -1,8 +1,9 @@
 """RL refit into a real vLLM engine: a 2-process FSDP2 trainer takes optimizer steps and, after each one, refits
 its weights into a running vLLM engine through the `reshard` weight-transfer backend. Every step is checked
-against vLLM's own loader: the trainer saves the same weights with transformers' `save_pretrained`, vLLM
-reloads that checkpoint itself (`reload_weights`), and greedy tokens and logprobs must be identical, bit for
-bit. At the end the same refit runs the way vLLM's built-in backends do it (full tensors to every worker, then
+against vLLM's own loader: the trainer saves the same weights with transformers' `save_pretrained`, a fresh
+vLLM engine loads that checkpoint itself, and greedy tokens and logprobs must be identical, bit for bit.
+(A fresh engine, not vLLM's in-place `reload_weights`: on the CPU build that leaves MoE experts in the wrong
+layout, see `_repack_experts` in reshard_cli/transfer/vllm_backend.py.) At the end the same refit runs the way vLLM's built-in backends do it (full tensors to every worker, then
 `load_weights`), over the same gloo group, for time and bytes side by side.
 
     python examples/vllm_refit.py                                   # Qwen3-MoE and Qwen3 (tied), TP1 and TP2
@@ -181,14 +182,32 @@ def trainer_rank1(model_dir: str, tp: int, ports: dict, steps: int, baseline_ite
 # -------------------------------------------------------------------------------------------------- engine
 
 
+def make_engine(model_dir: str, tp: int, **kwargs):
+    from vllm import LLM
+
+    return LLM(model=model_dir, dtype="bfloat16", tensor_parallel_size=tp, enforce_eager=True,
+               skip_tokenizer_init=True, max_model_len=256, **kwargs)
+
+
+def reference(ckpt: str, tp: int) -> list:
+    """Greedy tokens and logprobs of a fresh engine that loads `ckpt` itself (a subprocess of this script)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, __file__, "--reference", ckpt, "--tp", str(tp)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the reference engine failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def generate(llm) -> list:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1, seed=0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [[(t, lp.logprob) for t, lp in sorted(step.items())]
-                                      for step in o.outputs[0].logprobs]) for o in outs]
+    return [[list(o.outputs[0].token_ids), [[[t, lp.logprob] for t, lp in sorted(step.items())]
+                                            for step in o.outputs[0].logprobs]] for o in outs]
 
 
 def first_difference(a: list, b: list) -> str:
@@ -214,7 +233,6 @@ def summarize(report: dict) -> dict:
 
 def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> dict:
     import torch.multiprocessing as mp
-    from vllm import LLM
 
     from reshard_cli.transfer.vllm_backend import LLMClient
 
@@ -227,8 +245,7 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> 
     rank1 = mp.get_context("spawn").Process(target=trainer_rank1, args=(model_dir, tp, ports, steps, baseline_iters))
     rank1.start()
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, dtype="bfloat16", tensor_parallel_size=tp, enforce_eager=True,
-              skip_tokenizer_init=True, max_model_len=256, weight_transfer_config={"backend": "reshard"})
+    llm = make_engine(model_dir, tp, weight_transfer_config={"backend": "reshard"})
     print(f"[{kind} tp{tp}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
     client = LLMClient(llm)
     trainer = Trainer(0, model_dir, ports["trainer"])
@@ -243,8 +260,7 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> 
         ours = generate(llm)
         ckpt = os.path.join(root, f"{kind}-tp{tp}-step{step + 1}")
         trainer.save(ckpt)
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": ckpt})  # vLLM's own loader
-        theirs = generate(llm)
+        theirs = reference(ckpt, tp)  # vLLM's own loader, in a fresh engine
         row["identical"] = ours == theirs
         if not row["identical"]:
             row["first_difference"] = first_difference(ours, theirs)
@@ -284,7 +300,11 @@ def main() -> int:
     ap.add_argument("--baseline-iters", type=int, default=2)
     ap.add_argument("--json", help="write {\"cases\": [...], \"steps\": [...]} here")
     ap.add_argument("--workdir", help="where the models and per-step checkpoints go (default: a temp dir)")
+    ap.add_argument("--reference", metavar="CKPT", help=argparse.SUPPRESS)  # internal: one fresh engine's output
     args = ap.parse_args()
+    if args.reference:
+        print(json.dumps(generate(make_engine(args.reference, args.tp[0]))))
+        return 0
     kinds = list(CONFIGS) if args.model == "all" else [args.model]
     with tempfile.TemporaryDirectory(prefix="vllm-refit-") as tmp:
         root = args.workdir or tmp

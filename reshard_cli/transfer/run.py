@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from reshard_cli.errors import RuntimeFailure
+from reshard_cli.errors import ConfigError, RuntimeFailure
 from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.spec.layout import load_pair
@@ -49,6 +49,7 @@ class RunOptions(JobOptions):
     iters: int = 1
     json: Path | None = None
     link_test: bool = True
+    refit_host: str | None = None  # where a running engine reaches this job's rank 0 (`engine: {url}` layouts)
 
     @property
     def transfer(self) -> TransferOptions:
@@ -76,9 +77,18 @@ def launch_run(opts: RunOptions) -> None:
     """Start torchrun with as many workers as the layouts need, running this same command."""
     src, dst = load_pair(opts.src, opts.dst, scale=opts.scale)  # validate before spawning anything
     if opts.out is not None:  # refuse a non-empty output directory before starting anything
+        if dst.engine_url:
+            raise ConfigError("--out writes destination files; this destination is a running engine",
+                              key="--out")
         from reshard_cli.io.sinks import prepare_out_dir
         prepare_out_dir(opts.out, overwrite=opts.overwrite)
-    launcher.launch(max(max(src.ranks), max(dst.ranks)) + 1, opts.argv)
+    launcher.launch(_local_ranks(src, dst), opts.argv)
+
+
+def _local_ranks(src, dst) -> int:
+    """The ranks this job starts: all of both layouts, or only the sources when the destination is a running
+    engine (its workers are the engine's own processes)."""
+    return max(src.ranks) + 1 if dst.engine_url else max(max(src.ranks), max(dst.ranks)) + 1
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -91,9 +101,10 @@ def worker(opts: RunOptions) -> dict | None:
 
     def validate():
         src_l, dst_l = load_pair(opts.src, opts.dst, scale=opts.scale)
-        launcher.check_world(world, max(max(src_l.ranks), max(dst_l.ranks)) + 1,
+        launcher.check_world(world, _local_ranks(src_l, dst_l),
                              f"the layouts use (src {src_l.ranks[0]}-{src_l.ranks[-1]}, "
-                             f"dst {dst_l.ranks[0]}-{dst_l.ranks[-1]})")
+                             f"dst {dst_l.ranks[0]}-{dst_l.ranks[-1]}"
+                             f"{' in the engine at ' + dst_l.engine_url if dst_l.engine_url else ''})")
         topo = load_topology(opts.topology) if opts.topology and not auto else NO_TOPOLOGY
         plan = Plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match)
         return plan, launcher.pick_backend(opts.backend)
@@ -102,6 +113,8 @@ def worker(opts: RunOptions) -> dict | None:
     with launcher.process_group(backend, opts.timeout) as device:
         if auto:
             plan = replace(plan, topology=_discover_topology(world))
+        if plan.dst.engine_url:
+            return _push(opts, plan, rank, world, device)
         return _work(opts, plan, rank, world, device)
 
 
@@ -150,6 +163,80 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
     if not result["ok"]:
         report["_failed"] = True
     return report
+
+
+def _push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> dict | None:
+    """Into a running `vllm serve` (`engine: {url}` in the destination layout): this job's ranks are the
+    sources; the engine's workers join a refit group with them through the `reshard` weight-transfer backend
+    (rank 0 drives vLLM's HTTP routes), and every piece lands in the engine's own storage. Verified by the
+    checksums the workers compute of what they hold against the sources'."""
+    from reshard_cli.transfer import vllm_backend as vb
+
+    url = plan.dst.engine_url
+    source, src_shards, _ = _load(opts, plan, rank, device)
+    with launcher.collected("reaching the engine"):
+        if rank == 0:
+            vb.check_engine(url, plan.dst.size, timeout=min(opts.timeout, 30.0))
+    port = [vb.free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, 0)
+    man = plan.src.manifest.tensors
+    tensors = {man[t].name: sh.data for t, sh in src_shards.items()}
+    info = vb.ReshardTrainerInitInfo(
+        host=opts.refit_host or os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port[0], rank=rank,
+        src=vb.portable_layout(plan.src.file), dst=vb.portable_layout(plan.dst.file), timeout=opts.timeout,
+        bucket_mb=opts.bucket_mb)
+    client = vb.http_client(url, opts.timeout) if rank == 0 else None
+    with launcher.collected("starting the engine's refit"):
+        engine = vb.ReshardTrainerEngine.trainer_init(info, client=client, source=vb.ReshardSource(lambda: tensors))
+    reports = []
+    with launcher.collected("pushing into the engine"):
+        for _ in range(max(opts.iters, 1)):
+            reports.append(engine.send_weights())
+    engine.shutdown()
+    if source is not None:
+        source.close()
+    if rank != 0:
+        return None
+    return _engine_report(opts, plan, url, reports, world)
+
+
+def _engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int) -> dict:
+    """Rank 0's table for a push into a running engine, and its JSON twin."""
+    from reshard_cli.report import fmt_bytes, table
+
+    timed = reports[1:] if len(reports) > 1 else reports
+    seconds = statistics.median(r["seconds"] for r in timed)
+    workers = reports[-1]["workers"]
+    received = sum(w["bytes_received"] for w in workers)
+    direct = sum(w["direct_bytes"] for w in workers)
+    repacked = sum(w.get("processed_bytes", 0) for w in workers)
+    ok = all(r["trainer"]["checksums_ok"] for r in reports) and all(w.get("checksums_ok") for w in workers)
+    stats = plan.stats()
+    doc = {"mode": "reshard", "src": plan.src.name, "dst": plan.dst.name, "engine": url,
+           "model": plan.src.manifest.name, "world": world + plan.dst.size, "iters": opts.iters,
+           "seconds": seconds, "bytes": stats["bytes"], "wire_bytes": received,
+           "wire_gbps": received / seconds / 1e9 if seconds else 0.0,
+           "direct_bytes": direct, "direct_bytes_fraction": direct / received if received else 1.0,
+           "engine_repacked_bytes": repacked, "verified": "checksums", "ok": ok,
+           "workers": [{k: v for k, v in w.items() if k != "error"} for w in workers]}
+    rows = [["reshard", stats["tensors"], fmt_bytes(stats["bytes"]), fmt_bytes(received), f"{seconds * 1e3:.1f}",
+             f"{doc['wire_gbps']:.2f}", 0 if ok else "checksums differ"]]
+    lines = [f"reshard run: {plan.src.manifest.name}  {plan.src.name} ({plan.src.size} ranks) -> vllm serve at {url} "
+             f"({plan.dst.size} workers, {plan.dst.name})  mode reshard  iters {opts.iters}"
+             f"{' (median after warm-up)' if opts.iters > 1 else ''}",
+             table(["path", "tensors", "bytes", "wire", "time ms", "GB/s", "#wrong"], rows),
+             f"  into engine storage: {fmt_bytes(direct)} of {fmt_bytes(received)} received bytes landed in place "
+             f"({100 * doc['direct_bytes_fraction']:.0f} %); vLLM then repacked {fmt_bytes(repacked)} into its "
+             f"kernels' format",
+             "  verified by checksums the workers computed of what they hold:"]
+    for w in workers:
+        lines.append(f"    worker rank {w['worker']:>4}  {fmt_bytes(w['bytes_received']):>10}  "
+                     f"{'ok' if w.get('checksums_ok') else 'WRONG'}")
+    if not ok:
+        lines.append("  FAILED: the engine's weights differ from the source")
+        doc["_failed"] = True
+    doc["_text"] = "\n".join(lines)
+    return doc
 
 
 def _load(opts: RunOptions, plan: Plan, rank: int, device: torch.device):

@@ -189,6 +189,7 @@ class EngineTarget:
         t0 = time.perf_counter()
         for module in self.staged.values():
             layerwise._layerwise_process(module, layerwise.get_layerwise_info(module))
+            _repack_experts(module)
         for module in self.tied:
             module.quant_method.process_weights_after_loading(module)
         self.active, self.views = False, None
@@ -201,6 +202,21 @@ class EngineTarget:
         for module in self.staged.values():
             finalize_layerwise_reload(module, self.model_config)
         self.active, self.views = False, None
+
+
+def _repack_experts(module) -> None:
+    """vLLM 0.32 prepacks the CPU build's MoE weights (same shape, the grouped GEMM's layout) when a model is
+    first loaded, but its update path (`_setup_kernel` once a kernel exists, which its own `reload_weights`
+    takes too) leaves them in checkpoint layout, so an updated MoE computes with wrongly laid-out experts.
+    After vLLM's processing, run the experts kernel's own packing step again, as the first load does."""
+    quant = getattr(module, "quant_method", None)
+    fused = getattr(getattr(quant, "moe_kernel", None), "fused_experts", None)
+    if fused is None or getattr(module, "w13_weight", None) is None or module.w13_weight.device.type != "cpu":
+        return
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    if type(fused).process_weights_after_loading is not FusedMoEExperts.process_weights_after_loading:
+        fused.process_weights_after_loading(module)
 
 
 def _numel(shape) -> int:
@@ -379,6 +395,8 @@ def _classes():
             self._ready()
             if self.path == "full":
                 finalize_layerwise_reload(self.model, self.model_config)
+                for module in self.model.modules():  # vLLM's own update path needs the same repair
+                    _repack_experts(module)
             else:
                 self.target.end()
 
@@ -448,7 +466,8 @@ def _classes():
             # the workers' init call blocks until the group forms: run it beside this rank's own joining
             call = _Call(client.init_weight_transfer_engine, worker_info) if self.is_sender else None
             self.group = refit_group(init_info.host, init_info.port, init_info.rank, world,
-                                     timeout=init_info.timeout, device=_device_of(self._tensors()))
+                                     timeout=init_info.timeout, device=_device_of(self._tensors()),
+                                     abort=call.failure if call is not None else None)
             error = None
             tensors = self._tensors()
             if src is not None:
@@ -501,6 +520,11 @@ def _classes():
             failed = next((w for w in workers if w["error"]), None)
             if self.is_sender:
                 self.client.finish_weight_update(weight_version)  # a failed worker restores its weights here
+                # the KV cache of earlier prompts was computed with the old weights: vLLM does not drop it on
+                # a weight update, so a cached prefix would be served from the old model
+                reset = getattr(self.client, "reset_prefix_cache", None)
+                if reset is not None and not failed:
+                    reset()
             if failed:
                 raise RuntimeError(f"reshard: refit rank {failed['worker']} (vLLM worker): {failed['error']}")
             return {"seconds": seconds, "trainer": mine, "workers": workers}
@@ -531,6 +555,9 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
 
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
 
 class _Call:
     """A blocking control-plane call (vLLM's client) run on a thread beside this rank's transfer; `join`
@@ -548,10 +575,89 @@ class _Call:
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
 
+    def failure(self) -> str | None:
+        """Why the call failed, once it has (polled while waiting for the peers it should have started)."""
+        if self.error is None:
+            return None
+        return f"the engine refused: {_one_line(self.error)}"
+
     def join(self) -> None:
         self.thread.join()
         if self.error is not None:
-            raise RuntimeError(f"reshard: the engine refused: {self.error}") from self.error
+            raise RuntimeError(f"reshard: the engine refused: {_one_line(self.error)}") from self.error
+
+
+def _one_line(e: BaseException) -> str:
+    """An HTTP error with the server's own message, or the first line of any other error."""
+    response = getattr(e, "response", None)
+    if response is not None:
+        try:
+            detail = response.json()
+            detail = detail.get("error") or detail.get("detail") or detail.get("message") or detail
+        except ValueError:
+            detail = response.text[:300]
+        return f"HTTP {response.status_code} from {response.url}: {detail}"
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def check_engine(url: str, workers: int, timeout: float = 30.0) -> None:
+    """A running `vllm serve` at `url` with the weight-transfer routes and as many workers as the layout has
+    ranks; otherwise one ConfigError that says which."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/get_world_size?include_dp=true", timeout=timeout) as r:  # noqa: S310
+            size = json.loads(r.read())["world_size"]
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise ConfigError(f"the engine at {url} does not expose vLLM's weight-transfer routes: start it with "
+                              f"VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{{\"backend\": \"reshard\"}}'",
+                              key="engine.url") from None
+        raise ConfigError(f"the engine at {url} answered HTTP {e.code}", key="engine.url") from None
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise ConfigError(f"cannot reach a vLLM engine at {url}: {reason}", key="engine.url") from None
+    if size != workers:
+        raise ConfigError(f"the engine at {url} runs {size} workers, the layout has {workers} ranks",
+                          key="engine.url")
+
+
+def http_client(url: str, timeout: float):
+    """vLLM's own HTTP client of the weight-transfer routes, which also drops the server's prefix cache."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    class Client(HTTPVLLMWeightSyncClient):
+        def reset_prefix_cache(self) -> None:
+            self._post("reset_prefix_cache")
+
+    return Client(url, timeout=timeout)
+
+
+def portable_layout(file: str) -> str:
+    """A layout's YAML text for the engine's processes, which may run elsewhere: a model path made absolute,
+    the source left out (only this side reads it)."""
+    from pathlib import Path
+
+    import yaml
+
+    with open(file) as f:
+        doc = yaml.safe_load(f)
+    model = doc.get("model")
+    if isinstance(model, str) and (Path(file).parent / model).exists():
+        doc["model"] = str((Path(file).parent / model).resolve())
+    doc.pop("source", None)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:

@@ -82,6 +82,9 @@ def test_expert_parallel_round_robin_needs_grouped_routing(tmp_path):
     ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {pp: 2}\nengine: {expert_parallel: true}\n",
      "engine.expert_parallel", "neither"),
     ("model: qwen3-30b-a3b\nmesh: {tp: 2}\nengine: {expert_parallel: true}\n", "engine", "format: hf"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {kind: sglang}\n", "engine.kind", "vllm engine"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {url: 'localhost:8000'}\n", "engine.url",
+     "http(s) URL"),
 ])
 def test_bad_vllm_layouts_are_one_line(tmp_path, body, key, text):
     with pytest.raises(ConfigError) as info:
@@ -112,3 +115,19 @@ def test_bind_names_the_first_mismatch(tmp_path):
     del params["model.layers.0.self_attn.qkv_proj.weight"]
     with pytest.raises(ConfigError, match="no parameter 'model.layers.0.self_attn.qkv_proj.weight'"):
         vllm.bind(params, lay, 0)
+
+
+def test_a_running_engine_is_not_started_by_reshard_run(tmp_path):
+    """`engine: {url}`: the layout keeps the URL, and a run starts the source ranks only."""
+    from reshard_cli.spec.layout import load_pair
+    from reshard_cli.transfer.dryrun import world_size
+
+    (tmp_path / "train.yaml").write_text("model: qwen3-0.6b\nmesh: {fsdp: 4}\n"
+                                         "placements:\n  - {match: '.', shard: {fsdp: 0}}\n")
+    (tmp_path / "infer.yaml").write_text("model: qwen3-0.6b\nformat: vllm\nmesh: {tp: 2}\n"
+                                         "engine: {kind: vllm, url: 'http://10.0.0.5:8000/'}\n")
+    src, dst = load_pair(tmp_path / "train.yaml", tmp_path / "infer.yaml")
+    assert dst.engine_url == "http://10.0.0.5:8000" and dst.ranks == (4, 5)
+    assert world_size(src, dst) == 4
+    (tmp_path / "infer.yaml").write_text("model: qwen3-0.6b\nformat: vllm\nmesh: {tp: 2}\n")
+    assert world_size(tmp_path / "train.yaml", tmp_path / "infer.yaml") == 6

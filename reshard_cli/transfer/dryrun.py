@@ -43,9 +43,10 @@ def _pair(src, dst, scale: int = 1) -> tuple[Layout, Layout]:
 
 
 def world_size(src, dst, *, scale: int = 1) -> int:
-    """Processes a run needs: the highest global rank of either layout + 1 (Layouts or YAML paths)."""
+    """Processes a run starts: the highest global rank of either layout + 1 (Layouts or YAML paths), or of the
+    sources only when the destination is a running engine (its workers are the engine's own processes)."""
     s, d = _pair(src, dst, scale)
-    return max(max(s.ranks), max(d.ranks)) + 1
+    return max(s.ranks) + 1 if d.engine_url else max(max(s.ranks), max(d.ranks)) + 1
 
 
 def torchrun_command(src_yaml, dst_yaml, *, nnodes: int = 1, nproc_per_node: int | None = None,

@@ -33,6 +33,7 @@ from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.spec.layout import load_pair
 from reshard_cli.spec.topology import NO_TOPOLOGY, load_topology
 from reshard_cli.transfer import launcher, verify
+from reshard_cli.transfer.dryrun import world_size
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.launcher import JobOptions, Reported
 from reshard_cli.transfer.shards import read_source_shards, sentinel_buffers
@@ -82,13 +83,7 @@ def launch_run(opts: RunOptions) -> None:
                               key="--out")
         from reshard_cli.io.sinks import prepare_out_dir
         prepare_out_dir(opts.out, overwrite=opts.overwrite)
-    launcher.launch(_local_ranks(src, dst), opts.argv)
-
-
-def _local_ranks(src, dst) -> int:
-    """The ranks this job starts: all of both layouts, or only the sources when the destination is a running
-    engine (its workers are the engine's own processes)."""
-    return max(src.ranks) + 1 if dst.engine_url else max(max(src.ranks), max(dst.ranks)) + 1
+    launcher.launch(world_size(src, dst), opts.argv)
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -101,7 +96,7 @@ def worker(opts: RunOptions) -> dict | None:
 
     def validate():
         src_l, dst_l = load_pair(opts.src, opts.dst, scale=opts.scale)
-        launcher.check_world(world, _local_ranks(src_l, dst_l),
+        launcher.check_world(world, world_size(src_l, dst_l),
                              f"the layouts use (src {src_l.ranks[0]}-{src_l.ranks[-1]}, "
                              f"dst {dst_l.ranks[0]}-{dst_l.ranks[-1]}"
                              f"{' in the engine at ' + dst_l.engine_url if dst_l.engine_url else ''})")

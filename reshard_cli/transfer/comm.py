@@ -154,7 +154,7 @@ def _check_in(store, rank: int, size: int, timeout: float, abort) -> None:
         if time.monotonic() > deadline:
             missing = [r for r in range(size) if not store.check([f"in/{r}"])]
             raise RuntimeFailure(f"refit group: ranks {missing} did not join within {timeout:.0f} s")
-        time.sleep(0.02)
+        time.sleep(0.05)
 
 
 WORLD = WorldComm()

@@ -12,6 +12,10 @@ idle. A worker's steps, each its own function below:
   5. write   — rank files, then the manifest last and only when everything verified (`--out`)
   6. report  — rank 0 prints the table and returns the JSON twin
 
+When the destination layout names a running engine (`engine: {kind: vllm, url: ...}`), only the source ranks
+start, and `_push` moves the weights into the engine through the `reshard` weight-transfer backend instead
+(steps 1, 3, 4 and 6 as above, the destination side done by the engine's workers).
+
 `Hooks` are fixed points where tests inject faults (a rank that dies, a byte that flips); production runs
 with none.
 """

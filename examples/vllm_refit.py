@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -57,12 +56,6 @@ EXPERTS = """experts: fsdp                                        # FSDP2's Shar
 """
 EXPERT_RULE = """  - {match: 'mlp\\.experts\\.\\d+\\.'}                # per-expert views: whole experts on their owner
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(kind: str, root: str) -> str:
@@ -235,6 +228,7 @@ def summarize(report: dict) -> dict:
 def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> dict:
     import torch.multiprocessing as mp
 
+    from reshard_cli.transfer.comm import free_port
     from reshard_cli.transfer.vllm_backend import LLMClient
 
     model_dir = make_model(kind, root)

@@ -13,12 +13,13 @@ whole job (one section per host, and the job's domains from the keys).
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+
+from reshard_cli.transfer.comm import free_port
 
 REPEATS = 5        # copies: best of this many
 P2P_REPEATS = 3    # process to process: best of this many
@@ -71,12 +72,6 @@ def gpu_rows(nbytes: int, repeats: int = REPEATS) -> list[dict]:
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _p2p_worker(rank: int, port: int, nbytes: int, repeats: int, queue) -> None:
     """One of the two processes: rank 0 sends, rank 1 receives and reports its best time."""
     import torch.distributed as dist
@@ -120,7 +115,7 @@ def process_row(nbytes: int, repeats: int = P2P_REPEATS) -> dict:
     # fork where there is one: the children need not import torch again (seconds each); they use no CUDA
     method = "fork" if "fork" in mp.get_all_start_methods() and not _cuda_initialized() else "spawn"
     queue = mp.get_context(method).SimpleQueue()
-    mp.start_processes(_p2p_worker, args=(_free_port(), nbytes, repeats, queue), nprocs=2, join=True,
+    mp.start_processes(_p2p_worker, args=(free_port("127.0.0.1"), nbytes, repeats, queue), nprocs=2, join=True,
                        start_method=method)
     return _row("process->process gloo", "cpu:0", "cpu:1", nbytes, queue.get())
 

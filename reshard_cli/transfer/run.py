@@ -170,13 +170,14 @@ def _push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
     (rank 0 drives vLLM's HTTP routes), and every piece lands in the engine's own storage. Verified by the
     checksums the workers compute of what they hold against the sources'."""
     from reshard_cli.transfer import vllm_backend as vb
+    from reshard_cli.transfer.comm import free_port
 
     url = plan.dst.engine_url
     source, src_shards, _ = _load(opts, plan, rank, device)
     with launcher.collected("reaching the engine"):
         if rank == 0:
             vb.check_engine(url, plan.dst.size, timeout=min(opts.timeout, 30.0))
-    port = [vb.free_port() if rank == 0 else None]
+    port = [free_port() if rank == 0 else None]
     dist.broadcast_object_list(port, 0)
     man = plan.src.manifest.tensors
     tensors = {man[t].name: sh.data for t, sh in src_shards.items()}

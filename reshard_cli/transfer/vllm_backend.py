@@ -79,24 +79,29 @@ def _digest(layout=None, tensors: Mapping[str, torch.Tensor] | None = None) -> l
 
 
 def handshake(comm, role: str, model, error: str | None) -> None:
-    """Collective over the refit group: every rank says its role, its model (None: derived from DTensors
-    later) and whether its own checks passed. Every rank raises the same one-line ConfigError if any
-    failed or two models differ, so no side waits for a transfer that will not come."""
-    mine = {"role": role, "model": model, "error": error}
-    everyone = comm.all_gather_object(mine)
+    """Collective over the refit group: every rank says its role, a hash of its model (None: derived from
+    DTensors later) and whether its own checks passed. Every rank raises the same one-line ConfigError if any
+    failed or two models differ, so no side waits for a transfer that will not come. Only when the hashes
+    differ do the ranks exchange the models themselves, to name the first difference."""
+    import hashlib
+
+    digest = hashlib.sha256(repr(model).encode()).hexdigest() if model is not None else None
+    everyone = comm.all_gather_object({"role": role, "model": digest, "error": error})
     for r, x in enumerate(everyone):
         if x["error"]:
             raise ConfigError(f"refit rank {r} ({x['role']}): {x['error']}")
-    models = [(r, x) for r, x in enumerate(everyone) if x["model"] is not None]
-    for r, x in models[1:]:
-        r0, x0 = models[0]
-        if x["model"] != x0["model"]:
-            a, b = dict((n, (s, d)) for n, s, d in x0["model"]), dict((n, (s, d)) for n, s, d in x["model"])
+    if len({x["model"] for x in everyone if x["model"] is not None}) < 2:
+        return
+    models = [(r, m) for r, m in enumerate(comm.all_gather_object(model)) if m is not None]
+    for r, m in models[1:]:
+        r0, m0 = models[0]
+        if m != m0:
+            a, b = dict((n, (s, d)) for n, s, d in m0), dict((n, (s, d)) for n, s, d in m)
             missing = sorted(set(a) ^ set(b))
             what = (f"{missing[0]!r} is in one model only" if missing else
                     next(f"{n}: {list(a[n][0])} {a[n][1]} vs {list(b[n][0])} {b[n][1]}" for n in a if a[n] != b[n]))
-            raise ConfigError(f"refit ranks {r0} ({x0['role']}) and {r} ({x['role']}) have different models: "
-                              f"{what}", key="model")
+            raise ConfigError(f"refit ranks {r0} ({everyone[r0]['role']}) and {r} ({everyone[r]['role']}) have "
+                              f"different models: {what}", key="model")
 
 
 # ------------------------------------------------------------------------------------ engine storage
@@ -134,7 +139,8 @@ class EngineTarget:
         # modules sharing a staged module's parameter (a tied lm_head shares the embedding's): their kernels
         # were built from it, so vLLM's post-processing runs on them again once the new values are in
         shared = {id(p) for m in self.staged.values() for p in m._parameters.values() if p is not None}
-        self.tied = [m for m in model.modules() if all(m is not s for s in self.staged.values())
+        staged = {id(m) for m in self.staged.values()}
+        self.tied = [m for m in model.modules() if id(m) not in staged
                      and isinstance(getattr(m, "quant_method", None), QuantizeMethodBase)
                      and any(id(p) in shared for p in m._parameters.values() if p is not None)]
         # tensors whose engine storage has rows no checkpoint byte fills (a padded vocab): zeroed when staged,
@@ -465,11 +471,11 @@ def _classes():
                            "timeout": init_info.timeout, "bucket_mb": init_info.bucket_mb, "path": init_info.path}
             # the workers' init call blocks until the group forms: run it beside this rank's own joining
             call = _Call(client.init_weight_transfer_engine, worker_info) if self.is_sender else None
+            tensors = self._tensors()
             self.group = refit_group(init_info.host, init_info.port, init_info.rank, world,
-                                     timeout=init_info.timeout, device=_device_of(self._tensors()),
+                                     timeout=init_info.timeout, device=_device_of(tensors),
                                      abort=call.failure if call is not None else None)
             error = None
-            tensors = self._tensors()
             if src is not None:
                 held = {src.manifest.tensors[t].name for t, box in src.held(init_info.rank) if box.numel}
                 missing = sorted(held - set(tensors))
@@ -584,7 +590,7 @@ class _Call:
     def join(self) -> None:
         self.thread.join()
         if self.error is not None:
-            raise RuntimeError(f"reshard: the engine refused: {_one_line(self.error)}") from self.error
+            raise RuntimeError(f"reshard: {self.failure()}") from self.error
 
 
 def _one_line(e: BaseException) -> str:
@@ -650,14 +656,6 @@ def portable_layout(file: str) -> str:
         doc["model"] = str((Path(file).parent / model).resolve())
     doc.pop("source", None)
     return yaml.safe_dump(doc, sort_keys=False)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:

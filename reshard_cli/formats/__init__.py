@@ -6,11 +6,11 @@ bytes land straight in the framework's own tensors.
 """
 from __future__ import annotations
 
-FORMATS = ("hf", "vllm")
+FORMATS = ("hf", "vllm", "megatron")
 
 
 def engine_summary(layout) -> dict:
-    """The destination engine's storage on one rank (see the format's `summary`)."""
-    from reshard_cli.formats import vllm
+    """A framework's storage on one rank of `layout` (see the format's `summary`)."""
+    from reshard_cli.formats import megatron, vllm
 
-    return {"vllm": vllm.summary}[layout.format](layout)
+    return {"vllm": vllm.summary, "megatron": megatron.summary}[layout.format](layout)

@@ -31,9 +31,9 @@ minimum-bytes argument is about. This format says two things about a vLLM deploy
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from reshard_cli.errors import ConfigError
+from reshard_cli.formats.storage import EngineTensor, View  # noqa: F401 - re-exported
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 EXPERT_STACK = "routed_experts"  # vLLM 0.32's FusedMoE keeps the stacked experts under mlp.experts.routed_experts
@@ -169,33 +169,6 @@ def _line(mapping, key):
 
 
 # ------------------------------------------------------------------------------------------- engine storage
-
-
-@dataclass(frozen=True)
-class View:
-    """Checkpoint tensor `tensor`'s global box `box` lands in `region` (slices) of an engine tensor."""
-
-    tensor: int
-    box: object  # plan.geometry.Box
-    region: tuple  # slices into the engine tensor
-
-
-@dataclass(frozen=True)
-class EngineTensor:
-    """One tensor of the engine on one rank: its name, local shape, dtype, and the views that fill it."""
-
-    name: str
-    shape: tuple
-    dtype: str
-    views: tuple  # (View, ...)
-
-    @property
-    def nbytes(self) -> int:
-        from reshard_cli.spec.models import DTYPE_SIZES
-        n = DTYPE_SIZES[self.dtype]
-        for s in self.shape:
-            n *= s
-        return n
 
 
 _FUSED = (  # vLLM name part, [(HF name part, ...)] stacked along dim 0 in this order

@@ -9,6 +9,7 @@ Every source answers `read(t, box)`: a tensor of shape `box.sizes` and the manif
     "safetensors:ckpt/"                SafetensorsSource (a file, a directory, or an index.json)
     "shards:out/"                      ShardsSource (a directory written by reshard_cli.io.sinks)
     "dcp:ckpt_dcp/"                    DcpSource (torch.distributed.checkpoint, FileSystemWriter format)
+    "megatron:ckpt/iter_0000100/"      MegatronDistSource (Megatron-core torch_dist, read in checkpoint space)
     {kind: ..., path: ... | seed: ...} the same, from the src layout's `source:` key
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import pickle
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -29,9 +31,9 @@ from reshard_cli.spec.layout import Layout
 from reshard_cli.spec.models import _SAFETENSORS_DTYPES, Manifest, read_safetensors_header, read_safetensors_index
 from reshard_cli.transfer.verify import global_index
 
-KINDS = ("synthetic", "safetensors", "shards", "dcp")
+KINDS = ("synthetic", "safetensors", "shards", "dcp", "megatron")
 _KEYS = {"synthetic": ("kind", "seed"), "safetensors": ("kind", "path"), "shards": ("kind", "path"),
-         "dcp": ("kind", "path")}
+         "dcp": ("kind", "path"), "megatron": ("kind", "path")}
 
 
 # ----------------------------------------------------------------------------------------------- synthetic values
@@ -489,13 +491,9 @@ class DcpSource(Source):
         return self.read_many([(t, box)])[0]
 
     def read_many(self, requests: Sequence[tuple[int, Box]]) -> list[torch.Tensor]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
         outs: list[torch.Tensor] = []
-        items = []
-        for k, (t, box) in enumerate(requests):
+        pieces = []
+        for t, box in requests:
             self._check_box(t, box)
             spec = self._spec(t)
             out = self._empty(t, box)
@@ -505,16 +503,30 @@ class DcpSource(Source):
             md = self._tensor_md(spec.name)
             if tuple(md.size) != spec.shape:
                 raise ConfigError(_mismatch(spec.name, "shape", list(md.size), list(spec.shape)), file=self._mfile)
-            want = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
-            mine = create_read_items_for_chunk_list(spec.name, md, [want])
-            # The destination index carries the request number, so boxes of one tensor stay apart.
-            mine = [_replace_dest(ri, MetadataIndex(spec.name, torch.Size(box.offsets), k)) for ri in mine]
+            pieces.append((spec.name, md, box.offsets, box.sizes, out))
+        self._load(pieces)
+        return outs
+
+    def _load(self, pieces) -> None:
+        """One `dcp.load` that fills each piece (key, its metadata, offsets, sizes, output view) from the
+        stored chunks overlapping that region of the key's global tensor."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        items, outs = [], []
+        for key, md, offsets, sizes, out in pieces:
+            want = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            mine = create_read_items_for_chunk_list(key, md, [want])
+            # The destination index carries the piece number, so regions of one key stay apart.
+            mine = [_replace_dest(ri, MetadataIndex(key, torch.Size(offsets), len(outs))) for ri in mine]
             regions = {(tuple(ri.dest_offsets), tuple(ri.lengths)) for ri in mine}
             got = sum(math.prod(n) for _, n in regions)
-            if got != box.numel:
-                raise RuntimeFailure(f"{self._mfile}: the stored chunks of tensor {spec.name!r} cover {got} of the "
-                                     f"{box.numel} elements of box {box}")
+            if got != math.prod(sizes):
+                raise RuntimeFailure(f"{self._mfile}: the stored chunks of {key!r} cover {got} of the "
+                                     f"{math.prod(sizes)} elements at offsets {list(offsets)}")
             items.extend(mine)
+            outs.append(out)
         if items:
             planner_cls, reader_cls = _dcp_classes()
             planner = planner_cls(items, outs)
@@ -527,6 +539,73 @@ class DcpSource(Source):
                     raise
                 except Exception as e:  # noqa: BLE001
                     raise RuntimeFailure(f"{self.path}: DCP read failed: {e.__class__.__name__}: {e}") from None
+
+
+class MegatronDistSource(DcpSource):
+    """A Megatron-core distributed checkpoint (`torch_dist`: torch.distributed.checkpoint under Megatron's
+    sharded-state-dict keys), read in checkpoint (HF) space: `formats.megatron.global_views` says where each
+    HF box lies (q/k/v interleaved per query group in `linear_qkv`, [gate; up] in `linear_fc1`, experts and
+    layers as leading axes, the padded vocabulary), and each box is read from the stored chunks that overlap
+    it, like any DCP source: a rank reads only what it holds. `common.pt` (pickled) is never opened."""
+
+    kind = "megatron"
+
+    def __init__(self, manifest: Manifest, path: Path, shown: str | None = None):
+        import json
+
+        from reshard_cli.formats import megatron
+        super().__init__(manifest, path, shown)
+        meta = self.path / "metadata.json"
+        try:
+            backend = json.loads(meta.read_text()).get("sharded_backend")
+        except (OSError, ValueError, AttributeError):
+            raise ConfigError("no readable metadata.json: not a Megatron distributed checkpoint",
+                              file=str(meta)) from None
+        if backend != "torch_dist":
+            raise ConfigError(f"sharded_backend is {backend!r}; reshard reads torch_dist checkpoints", file=str(meta))
+        keys = self.metadata.state_dict_metadata
+        per_layer = any(re.match(r"decoder\.layers\.\d+\.", k) for k in keys)
+        self.views = megatron.global_views(manifest, per_layer=per_layer)
+        self.description = self.description.replace("dcp ", "megatron torch_dist ", 1)
+
+    def check(self, layout: Layout, rank: int) -> None:
+        from reshard_cli.formats import megatron
+        vocab = re.compile(megatron._VOCAB)
+        for t, _box in layout.held(rank):
+            spec = layout.manifest.tensors[t]
+            for cv in self.views.get(t, ()):
+                md = self._tensor_md(cv.key)
+                size, dtype = tuple(md.size), str(md.properties.dtype).removeprefix("torch.")
+                padded = vocab.search(spec.name) and len(size) == len(cv.shape) and size[0] >= cv.shape[0]
+                if size != cv.shape and not (padded and size[1:] == cv.shape[1:]):
+                    raise ConfigError(f"{cv.key} is {list(size)}, model {self.manifest.name!r} makes it "
+                                      f"{list(cv.shape)} (for {spec.name})", file=self._mfile)
+                floats = getattr(torch, dtype).is_floating_point and getattr(torch, spec.dtype).is_floating_point
+                if dtype != spec.dtype and not floats:  # fp32 norms of a bf16 model are cast as they are read
+                    raise ConfigError(f"{cv.key} is {dtype}, the layout expects {spec.dtype} (for {spec.name})",
+                                      file=self._mfile)
+            if t not in self.views:
+                raise ConfigError(f"no Megatron key holds {spec.name!r}", file=self._mfile)
+
+    def read_many(self, requests: Sequence[tuple[int, Box]]) -> list[torch.Tensor]:
+        outs: list[torch.Tensor] = []
+        pieces = []
+        for t, box in requests:
+            self._check_box(t, box)
+            out = self._empty(t, box)
+            outs.append(out)
+            for cv in self.views.get(t, ()):
+                common = box.intersect(cv.box)
+                if common is None or common.empty:
+                    continue
+                lead = len(cv.offsets) - len(cv.box.offsets)
+                offsets = cv.offsets[:lead] + tuple(o + c - b for o, c, b in
+                                                     zip(cv.offsets[lead:], common.offsets, cv.box.offsets))
+                view = out[common.local_slices(box)]
+                for _ in range(lead):
+                    view = view.unsqueeze(0)
+                pieces.append((cv.key, self._tensor_md(cv.key), offsets, (1,) * lead + common.sizes, view))
+        self._load(pieces)
         return outs
 
 
@@ -642,8 +721,11 @@ def _open_path(kind: str, path: Path, shown: str, manifest: Manifest, *, file: s
         return SafetensorsSource(manifest, path, shown)
     if kind == "shards":
         return ShardsSource(manifest, path, shown)
+    if kind == "megatron":
+        return MegatronDistSource(manifest, path, shown)
     return DcpSource(manifest, path, shown)
 
 
-__all__ = ["KINDS", "Source", "SyntheticSource", "SafetensorsSource", "ShardsSource", "DcpSource", "open_source",
+__all__ = ["KINDS", "Source", "SyntheticSource", "SafetensorsSource", "ShardsSource", "DcpSource",
+           "MegatronDistSource", "open_source",
            "synthetic_values"]

@@ -25,6 +25,7 @@ from typing import Any
 
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import FORMATS
+from reshard_cli.formats import megatron as megatron_format
 from reshard_cli.formats import vllm as vllm_format
 from reshard_cli.spec import bundled
 from reshard_cli.plan.geometry import Box, shard_box
@@ -35,7 +36,7 @@ LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 FIRST_STAGE_RE = re.compile(r"embed|wte|word_embeddings")
 TOP_KEYS = ("name", "description", "model", "dtype", "ranks", "mesh", "meshes", "pipeline", "experts",
-            "placements", "source", "format", "engine")
+            "placements", "source", "format", "engine", "megatron")
 RULE_KEYS = ("match", "mesh", "shard", "pad", "stages")
 
 
@@ -172,8 +173,12 @@ class Layout:
 def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Layout:
     """Load and validate a layout YAML. `first_rank` is where `ranks` starts when the file omits it."""
     path = bundled.resolve("layout", path)
-    file = str(path)
-    doc = load_yaml(path)
+    return layout_from_doc(load_yaml(path), file=str(path), first_rank=first_rank, scale=scale)
+
+
+def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1) -> Layout:
+    """A layout from its document (a loaded YAML file, or one a helper wrote, e.g. from a live Megatron model);
+    `file` names it in errors and relative paths resolve against its directory."""
     check_keys(doc, TOP_KEYS, file=file, where="", required=("model",))
     if ("mesh" in doc) == ("meshes" in doc):
         raise ConfigError("give exactly one of `mesh:` (one mesh) or `meshes:` (named meshes)", file=file,
@@ -195,9 +200,14 @@ def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Lay
     if fmt == "vllm":  # the format writes the meshes, pipeline split, expert owners and rules vLLM uses
         engine_url = vllm_format.engine_url(doc, file)
         doc = vllm_format.expand(doc, manifest, file)
+    elif fmt == "megatron":  # likewise from Megatron's own parallel arguments
+        doc = megatron_format.expand(doc, manifest, file)
     elif "engine" in doc:
         raise ConfigError("`engine:` describes an engine format's deployment; this layout has none (format: hf)",
                           file=file, key="engine", line=line_of(doc, "engine"))
+    if "megatron" in doc:
+        raise ConfigError("`megatron:` holds Megatron's parallel arguments; it needs `format: megatron`", file=file,
+                          key="megatron", line=line_of(doc, "megatron"))
 
     raw_meshes = {"default": doc["mesh"]} if "mesh" in doc else doc["meshes"]
     mesh_key = "mesh" if "mesh" in doc else "meshes"

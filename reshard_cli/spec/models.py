@@ -204,7 +204,10 @@ def _manifest_from_path(path: Path) -> Manifest:
     """Dispatch on what `path` is: a checkpoint directory, config/index JSON, safetensors or YAML."""
     if path.is_dir():
         if (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors")):
-            return manifest_from_safetensors(path)
+            manifest = manifest_from_safetensors(path)
+            if not manifest.config and (path / "config.json").is_file():  # a checkpoint dir: its config too
+                manifest = replace(manifest, config=dict(_read_json(path / "config.json")))
+            return manifest
         if not (path / "config.json").is_file():
             raise ConfigError("directory has no *.safetensors and no config.json", file=str(path))
         path = path / "config.json"

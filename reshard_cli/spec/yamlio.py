@@ -70,7 +70,7 @@ def load_yaml(path: str | Path) -> Any:
 def line_of(mapping: Any, key: str) -> int | None:
     if isinstance(mapping, Mapping):
         return mapping.lines.get(key, mapping.line)
-    return None
+    return None  # a plain dict (a document built in code) has no lines
 
 
 def check_keys(mapping: Any, allowed: Iterable[str], *, file: str, where: str, required: Iterable[str] = ()) -> None:

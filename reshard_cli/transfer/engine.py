@@ -76,8 +76,7 @@ class Engine:
         return buf[off:off + n].view(self._dtype[t]).view(box.sizes)
 
     def _src_view(self, t: int, box: Box) -> torch.Tensor:
-        sh = self.src_shards[t]
-        return sh.data[box.local_slices(sh.box)]
+        return self.src_shards[t].read(box)
 
     def _dst_view(self, t: int, box: Box) -> torch.Tensor:
         sh = self.dst_shards[t]

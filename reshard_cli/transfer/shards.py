@@ -16,11 +16,57 @@ SENTINEL_BYTE = 0xA5  # destination buffers start as this pattern: a region neve
 
 
 @dataclass
-class LocalShard:
-    """A rank's local shard of one tensor: the global box it covers and its data (a view, never a copy)."""
+class Fragments:
+    """One source box kept in several places of a framework's storage (Megatron interleaves q, k and v per
+    query group): `parts` = ((sub-box, tensor view), ...) tiling `box`. Read-only: a source, never a buffer."""
 
     box: Box
-    data: torch.Tensor
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple:
+        return self.box.sizes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0][1].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0][1].device
+
+    def is_contiguous(self) -> bool:
+        return False
+
+    def detach(self) -> "Fragments":
+        return self
+
+    def read(self, box: Box) -> torch.Tensor:
+        """Global region `box`: a view when one part holds all of it, else assembled from the parts."""
+        for sub, data in self.parts:
+            if box.intersect(sub) == box:
+                return data[box.local_slices(sub)]
+        out = torch.empty(box.sizes, dtype=self.dtype, device=self.device)
+        for sub, data in self.parts:
+            common = box.intersect(sub)
+            if common is not None and not common.empty:
+                out[common.local_slices(box)].copy_(data[common.local_slices(sub)])
+        return out
+
+
+@dataclass
+class LocalShard:
+    """A rank's local shard of one tensor: the global box it covers and its data (a view, never a copy; a
+    source may be `Fragments`)."""
+
+    box: Box
+    data: "torch.Tensor | Fragments"
+
+    def read(self, box: Box) -> torch.Tensor:
+        """Global region `box` (inside this shard's box) of the data."""
+        if isinstance(self.data, Fragments):
+            return self.data.read(box)
+        return self.data[box.local_slices(self.box)]
 
 
 def read_source_shards(layout: Layout, rank: int, source, device: torch.device) -> dict[int, LocalShard]:

@@ -125,7 +125,7 @@ def source_contributions(plan, rank: int, src_shards: dict) -> dict:
                 r = a.intersect(b)
                 if r is not None:
                     key = (t, b.offsets)
-                    out[key] = combine([out.get(key, 0), checksum(sh.data[r.local_slices(sh.box)], r, shape)])
+                    out[key] = combine([out.get(key, 0), checksum(sh.read(r), r, shape)])
     return out
 
 

@@ -477,9 +477,16 @@ def _classes():
                                      abort=call.failure if call is not None else None)
             error = None
             if src is not None:
+                named = tensors
+                if src.format == "megatron":  # Megatron's own parameters: checked against the layout here
+                    from reshard_cli.formats import megatron
+                    try:
+                        named = megatron.bind(tensors, src, init_info.rank)
+                    except ConfigError as e:
+                        error = str(e)
                 held = {src.manifest.tensors[t].name for t, box in src.held(init_info.rank) if box.numel}
-                missing = sorted(held - set(tensors))
-                error = f"the trainer does not hold {missing[0]!r}" if missing else None
+                missing = sorted(held - set(named))
+                error = error or (f"the trainer does not hold {missing[0]!r}" if missing else None)
             try:
                 handshake(self.group, f"trainer {init_info.rank}",
                           _digest(src, None if src is not None or error else tensors), error)

@@ -1,0 +1,35 @@
+"""A framework's own tensors on one rank, each with the views of checkpoint boxes it is made of.
+
+Shared by every storage format (vLLM's engine tensors, Megatron's parameters): a transfer reads from or writes
+into those views, so no full tensor and no converted copy of the model is ever built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class View:
+    """Checkpoint tensor `tensor`'s global box `box` lands in `region` (slices) of an engine tensor."""
+
+    tensor: int
+    box: object  # plan.geometry.Box
+    region: tuple  # slices into the engine tensor
+
+
+@dataclass(frozen=True)
+class EngineTensor:
+    """One tensor of the engine on one rank: its name, local shape, dtype, and the views that fill it."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    views: tuple  # (View, ...)
+
+    @property
+    def nbytes(self) -> int:
+        from reshard_cli.spec.models import DTYPE_SIZES
+        n = DTYPE_SIZES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n

@@ -61,7 +61,7 @@ placements:
 """
 
 
-def make_model(kind: str, root: str) -> str:
+def make_model(kind: str, root: str, seed: int = 0) -> str:
     """A tiny random model written by transformers' own `save_pretrained`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -69,9 +69,9 @@ def make_model(kind: str, root: str) -> str:
     arch = cfg.pop("architectures")
     config = AutoConfig.for_model(**cfg)
     config.architectures = arch
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = os.path.join(root, kind)
+    path = os.path.join(root, kind if seed == 0 else f"{kind}-seed{seed}")
     model.save_pretrained(path)
     return path
 
@@ -204,22 +204,31 @@ def check_sharded_metadata(model, layout, rank: int) -> dict:
 # ------------------------------------------------------------------------------------------------ processes
 
 
-def trainer(rank: int, case: dict, paths: dict) -> None:
+def start_megatron(rank: int, case: dict, paths: dict):
+    """Trainer rank `rank`: Megatron's process group and parallel state, the model with the HF weights loaded by
+    mbridge, and the refit layout derived from the running model (`live_layout_doc`)."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from reshard_cli.formats import megatron as fmt
-    from reshard_cli.transfer.comm import refit_group
-    from reshard_cli.transfer.live import Refit
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{paths['port']}", rank=rank,
                             world_size=case["trainers"])
     ps.initialize_model_parallel(tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"],
                                  expert_model_parallel_size=case["ep"])
     model = build_megatron(paths["hf"], case["tp"], case["pp"], case["ep"])
-    doc = fmt.live_layout_doc(model, paths["hf"])
+    return model, fmt.live_layout_doc(model, paths.get("layout_model", paths["hf"]))
+
+
+def trainer(rank: int, case: dict, paths: dict) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
     from reshard_cli.spec.layout import layout_from_doc
+    from reshard_cli.transfer.comm import refit_group
+    from reshard_cli.transfer.live import Refit
+
+    model, doc = start_megatron(rank, case, paths)
     layout = layout_from_doc(doc, file="<megatron model>")
     report = {"rank": rank, "metadata": check_sharded_metadata(model, layout, rank)}
     comm = refit_group("127.0.0.1", paths["refit_port"], rank, case["trainers"] + RECEIVERS)
@@ -277,6 +286,80 @@ def receiver(index: int, case: dict, paths: dict) -> None:
             json.dump(reports, f)
 
 
+# ------------------------------------------------------------------------------------------------ into vLLM
+
+
+def trainer_engine(model, doc: dict, rank: int, paths: dict, client):
+    """vLLM's trainer-side weight-transfer engine (`reshard` backend) over this rank's Megatron parameters."""
+    import yaml
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from reshard_cli.transfer import vllm_backend as vb
+
+    vb.register()
+    info = vb.ReshardTrainerInitInfo(
+        host="127.0.0.1", port=paths["refit_port"], rank=rank, src=yaml.safe_dump(doc, sort_keys=False),
+        dst=f"model: {os.path.join(paths['hf'], 'config.json')}\nformat: vllm\nmesh: {{tp: {paths['vllm_tp']}}}\n")
+    return WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                     source=vb.ReshardSource(lambda: dict(model.named_parameters())))
+
+
+def vllm_trainer(rank: int, case: dict, paths: dict) -> None:
+    """Trainer ranks 1..: the same calls as rank 0 (which drives the engine), without the engine."""
+    model, doc = start_megatron(rank, case, paths)
+    trainer_engine(model, doc, rank, paths, None).send_weights()
+    torch.distributed.destroy_process_group()
+
+
+def run_vllm_case(name: str, root: str, vllm_tp: int) -> dict:
+    """Megatron (weights A, loaded by mbridge) -> a running vLLM engine started from other weights (B): after
+    one refit, vLLM's greedy tokens and logprobs must equal those of a fresh vLLM engine loading A itself."""
+    import vllm_refit as vr
+
+    from reshard_cli.transfer.comm import free_port
+    from reshard_cli.transfer.vllm_backend import LLMClient
+
+    case = CASES[name]
+    base = os.path.join(root, f"{name}-vllm-tp{vllm_tp}")
+    hf = make_model(case["model"], base)
+    start = make_model(case["model"], base, seed=1)
+    paths = {"hf": hf, "port": free_port(), "refit_port": free_port(), "vllm_tp": vllm_tp}
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if vllm_tp > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(vllm_tp))
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    logs = [os.path.join(base, f"trainer{i}.log") for i in range(1, case["trainers"])]
+    procs = [subprocess.Popen([sys.executable, __file__, "--_proc", "vllm-trainer", str(i + 1), name,
+                               json.dumps(paths)], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+             for i, log in enumerate(logs)]
+    try:
+        t0 = time.perf_counter()
+        llm = vr.make_engine(start, vllm_tp, weight_transfer_config={"backend": "reshard"})
+        print(f"[{name} -> vLLM tp{vllm_tp}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
+        before = vr.generate(llm)
+        model, doc = start_megatron(0, case, paths)
+        report = trainer_engine(model, doc, 0, paths, LLMClient(llm)).send_weights()
+        ours = vr.generate(llm)
+        theirs = vr.reference(hf, vllm_tp)  # vLLM's own loader on the HF checkpoint, in a fresh engine
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    failed = next((log for p, log in zip(procs, logs) if p.returncode != 0), None)
+    if failed:
+        tail = [ln for ln in open(failed).read().splitlines() if ln.strip()]
+        raise RuntimeError(f"{name}: {os.path.basename(failed)}: {tail[-1] if tail else 'failed'}")
+    torch.distributed.destroy_process_group()
+    del llm
+    row = {"case": name, "vllm_tp": vllm_tp, "identical": ours == theirs, "changed": ours != before,
+           **vr.summarize(report)}
+    if not row["identical"]:
+        row["first_difference"] = vr.first_difference(ours, theirs)
+    return row
+
+
 def run_case(name: str, root: str) -> dict:
     from reshard_cli.transfer.comm import free_port
 
@@ -327,29 +410,41 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--_proc":  # internal: one trainer or receiver process
         role, i, name, paths = sys.argv[2], int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
         warnings.filterwarnings("ignore")
-        (trainer if role == "trainer" else receiver)(i, CASES[name], paths)
+        {"trainer": trainer, "receiver": receiver, "vllm-trainer": vllm_trainer}[role](i, CASES[name], paths)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", choices=[*CASES, "all"], default="all")
+    ap.add_argument("--case", choices=[*CASES, "all"], nargs="+", default=["all"])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="where models and checkpoints go (default: a temp dir)")
+    ap.add_argument("--vllm-tp", type=int, nargs="*", default=[],
+                    help="also refit each case into a running vLLM engine (CPU build) of these TP sizes")
     args = ap.parse_args()
     root = args.workdir or tempfile.mkdtemp(prefix="reshard-megatron-")
     results = []
-    for name in CASES if args.case == "all" else [args.case]:
+    for name in CASES if "all" in args.case else args.case:
         r = run_case(name, root)
         results.append(r)
         print(f"[{name}] {r['views_checked']} checkpoint views of Megatron's parameters vs its sharded_state_dict: "
               f"{r['metadata_mismatches']} mismatches; refit into a TP2 HF layout: {r['elements']} elements, "
               f"{r['wrong']} differ from the HF checkpoint mbridge loaded, checksums ok: {r['checksums_ok']}, "
               f"{r['wire_bytes'] / 1e6:.2f} MB on the wire in {r['refit_seconds']:.3f} s", flush=True)
+        for vtp in args.vllm_tp:
+            v = run_vllm_case(name, root, vtp)
+            r.setdefault("vllm", []).append(v)
+            print(f"[{name} -> vLLM tp{vtp}] refit {v['refit_seconds']:.3f} s, {v['wire_bytes'] / 1e6:.2f} MB on the "
+                  f"wire, {v['bytes_into_each_worker'] / 1e6:.2f} MB into each worker, direct "
+                  f"{v['direct_bytes_fraction']:.0%}; greedy tokens/logprobs identical to vLLM loading the HF "
+                  f"checkpoint itself: {v['identical']}" + ("" if v["identical"] else f" ({v['first_difference']})")
+                  + f"; changed from the engine's start weights: {v['changed']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    ok = all(r["metadata_mismatches"] == 0 and r["wrong"] == 0 and r["checksums_ok"] for r in results)
+    ok = all(r["metadata_mismatches"] == 0 and r["wrong"] == 0 and r["checksums_ok"]
+             and all(v["identical"] and v["checksums_ok"] for v in r.get("vllm", [])) for r in results)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_refit: the engine helpers
     sys.exit(main())

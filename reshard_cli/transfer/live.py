@@ -120,7 +120,17 @@ class Refit:
         if overlap:
             raise ConfigError(f"src and dst ranks overlap (rank {min(overlap)})", key="ranks")
         self.plan = Plan(src, dst, self.topology, mode=self.mode, reshard_match=self.reshard_match)
-        src_shards, dst_shards = self._shards(tensors)
+        # What this rank passed is checked against the plan before anything moves; every rank learns of any
+        # rank's mistake (one line, the same everywhere) instead of waiting for a peer that gave up.
+        error = None
+        try:
+            src_shards, dst_shards = self._shards(tensors)
+        except ConfigError as e:
+            error = str(e)
+        failed = next(((r, e) for r, e in enumerate(self.comm.all_gather_object(error)) if e), None)
+        if failed:
+            r, e = failed
+            raise ConfigError(e if r == self.rank else f"refit rank {r}: {e}")
         device = self.device or next((s.data.device for s in (*src_shards.values(), *dst_shards.values())),
                                      torch.device("cpu"))
         self.engine = Engine(self.plan, self.rank, src_shards, dst_shards, options=self.options, device=device,

@@ -49,6 +49,8 @@ CASES = {
     "qwen3-pp2": dict(model="qwen3", tp=1, pp=2, ep=1, trainers=2),
     "moe-ep2": dict(model="qwen3-moe", tp=1, pp=1, ep=2, trainers=2),
     "moe-tp2-ep2": dict(model="qwen3-moe", tp=2, pp=1, ep=2, trainers=4),
+    # not in "all": the layout is derived for a model with other query groups than the running one
+    "mismatch": dict(model="qwen3", tp=2, pp=1, ep=1, trainers=2, layout_config={"num_key_value_heads": 2}),
 }
 RECEIVERS = 2
 VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
@@ -367,8 +369,14 @@ def run_case(name: str, root: str) -> dict:
     hf = make_model(case["model"], os.path.join(root, name))
     paths = {"hf": hf, "port": free_port(), "refit_port": free_port(), "dst": os.path.join(root, name, "dst.yaml"),
              "dist_ckpt": os.path.join(root, name, "dist_ckpt"), "report": os.path.join(root, name, "report.json")}
+    if "layout_config" in case:  # the trainer (and the receivers) describe the model with another config
+        config = json.load(open(os.path.join(hf, "config.json"))) | case["layout_config"]
+        paths["layout_model"] = os.path.join(root, name, "other-config.json")
+        with open(paths["layout_model"], "w") as f:
+            json.dump(config, f)
     with open(paths["dst"], "w") as f:
-        f.write(DST_LAYOUT.format(model=hf, first=case["trainers"], last=case["trainers"] + RECEIVERS - 1))
+        f.write(DST_LAYOUT.format(model=paths.get("layout_model", hf), first=case["trainers"],
+                                  last=case["trainers"] + RECEIVERS - 1))
     roles = [(role, i) for role, n in (("trainer", case["trainers"]), ("receiver", RECEIVERS)) for i in range(n)]
     logs = [os.path.join(root, name, f"{role}{i}.log") for role, i in roles]
     procs = [subprocess.Popen([sys.executable, __file__, "--_proc", role, str(i), name, json.dumps(paths)],
@@ -421,7 +429,7 @@ def main() -> int:
     args = ap.parse_args()
     root = args.workdir or tempfile.mkdtemp(prefix="reshard-megatron-")
     results = []
-    for name in CASES if "all" in args.case else args.case:
+    for name in [c for c in CASES if "layout_config" not in CASES[c]] if "all" in args.case else args.case:
         r = run_case(name, root)
         results.append(r)
         print(f"[{name}] {r['views_checked']} checkpoint views of Megatron's parameters vs its sharded_state_dict: "

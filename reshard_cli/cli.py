@@ -82,8 +82,10 @@ def plan(
         return
     stats = p.stats()
     stats["layout_seconds"] = t_layout
+    from reshard_cli.formats import engine_summary
+    if p.src.format != "hf":  # the bytes are read from the trainer's own tensors
+        stats["trainer"] = engine_summary(p.src)
     if p.dst.format != "hf":  # the bytes land in the engine's own tensors: what one rank's storage looks like
-        from reshard_cli.formats import engine_summary
         stats["engine"] = engine_summary(p.dst)
     typer.echo(plan_text(stats))
     from reshard_cli.plan.cost import plan_prediction  # predicted seconds per mode + lower bound (topology links)
@@ -121,7 +123,8 @@ def run(
     backend: str = typer.Option("auto", "--backend", help="auto | gloo | nccl (auto: nccl when every rank has a GPU)."),
     bucket_mb: float = typer.Option(64.0, "--bucket-mb", help="Staging memory per rank for packed buckets (MiB)."),
     source: Optional[str] = typer.Option(None, "--source", help="Override the src layout's source: synthetic | "
-                                         "safetensors:PATH | shards:PATH | dcp:PATH."),
+                                         "safetensors:PATH | shards:PATH | dcp:PATH | megatron:PATH "
+                                         "(a Megatron torch_dist checkpoint)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write one safetensors file per destination rank here."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory's files."),
     iters: int = typer.Option(1, "--iters", help="Repeat the refit; the first is warm-up, the median is reported."),
@@ -177,7 +180,8 @@ def check(
     dst: Path = DstOpt,
     out: Path = typer.Option(..., "--out", help="The output directory of `reshard run --out`."),
     source: Optional[str] = typer.Option(None, "--source", help="Override the src layout's source: synthetic | "
-                                         "safetensors:PATH | shards:PATH | dcp:PATH."),
+                                         "safetensors:PATH | shards:PATH | dcp:PATH | megatron:PATH "
+                                         "(a Megatron torch_dist checkpoint)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON."),
     scale: int = ScaleOpt,
 ):

@@ -55,6 +55,7 @@ def plan_text(s: dict) -> str:
         f"{_over(s['max_rank_send_bytes'], s['ideal_rank_send_bytes'])}), recv {fmt_bytes(s['max_rank_recv_bytes'])} "
         f"(ideal {fmt_bytes(s['ideal_rank_recv_bytes'])}, {_over(s['max_rank_recv_bytes'], s['ideal_rank_recv_bytes'])})",
         f"  planned in    {s['plan_seconds'] * 1e3:.0f} ms",
+        *_trainer_lines(s.get("trainer")),
         *_engine_lines(s.get("engine")),
         "",
         table(["path", "tensors", "bytes", "wire", "in-domain", "pieces"],
@@ -71,6 +72,15 @@ def _engine_lines(e: dict | None) -> list[str]:
             f"({e['fused_tensors']} fused or stacked), {fmt_bytes(e['engine_bytes'])}; received bytes land in place: "
             f"{fmt_bytes(e['direct_bytes'])} of {fmt_bytes(e['checkpoint_bytes'])} "
             f"({pct(e['direct_bytes'], e['checkpoint_bytes'])}), padding {fmt_bytes(e['padding_bytes'])} untouched"]
+
+
+def _trainer_lines(t: dict | None) -> list[str]:
+    if not t:
+        return []
+    return [f"  trainer       {t['format']} storage on rank {t['rank']}: {t['megatron_tensors']} parameters "
+            f"({t['fused_tensors']} fused from several checkpoint tensors), {fmt_bytes(t['megatron_bytes'])}; sent "
+            f"bytes are read in place: {fmt_bytes(t['direct_bytes'])} ({pct(t['direct_bytes'], t['megatron_bytes'])} "
+            f"of it; the rest is vocab padding)"]
 
 
 def _ratio(a: float, b: float) -> str:

@@ -574,6 +574,9 @@ class MegatronDistSource(DcpSource):
         for t, _box in layout.held(rank):
             spec = layout.manifest.tensors[t]
             for cv in self.views.get(t, ()):
+                if cv.key not in self.metadata.state_dict_metadata:
+                    raise ConfigError(f"the checkpoint has no key {cv.key!r} (where Megatron keeps {spec.name}): "
+                                      f"a checkpoint of another model?", file=str(self.path))
                 md = self._tensor_md(cv.key)
                 size, dtype = tuple(md.size), str(md.properties.dtype).removeprefix("torch.")
                 padded = vocab.search(spec.name) and len(size) == len(cv.shape) and size[0] >= cv.shape[0]

@@ -31,24 +31,23 @@ import warnings
 
 import torch
 
-CONFIGS = {
-    "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=1000,
-                      hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
-                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                      max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      tie_word_embeddings=False),
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=1000, hidden_size=128,
-                  intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                  head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-                  tie_word_embeddings=False),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_refit: tiny models and engine helpers
+from vllm_refit import CONFIGS as _SMALL  # noqa: E402 - examples/ is on sys.path now
+
+# the vLLM example's tiny models, with 4 layers (2 per stage at PP2); the dense one untied, 8 heads in 4 groups
+CONFIGS = {"qwen3-moe": _SMALL["qwen3-moe"] | {"num_hidden_layers": 4},
+           "qwen3": _SMALL["qwen3"] | {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                       "tie_word_embeddings": False},
+           "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1000, hidden_size=128,
+                         intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)}
 # case: model, Megatron parallelism, number of trainer processes
 CASES = {
     "qwen3-tp2": dict(model="qwen3", tp=2, pp=1, ep=1, trainers=2),
     "qwen3-pp2": dict(model="qwen3", tp=1, pp=2, ep=1, trainers=2),
     "moe-ep2": dict(model="qwen3-moe", tp=1, pp=1, ep=2, trainers=2),
     "moe-tp2-ep2": dict(model="qwen3-moe", tp=2, pp=1, ep=2, trainers=4),
+    "llama-tp2-pp2": dict(model="llama", tp=2, pp=2, ep=1, trainers=4),
     # not in "all": the layout is derived for a model with other query groups than the running one
     "mismatch": dict(model="qwen3", tp=2, pp=1, ep=1, trainers=2, layout_config={"num_key_value_heads": 2}),
 }
@@ -64,18 +63,9 @@ placements:
 
 
 def make_model(kind: str, root: str, seed: int = 0) -> str:
-    """A tiny random model written by transformers' own `save_pretrained`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import vllm_refit
 
-    cfg = dict(CONFIGS[kind])
-    arch = cfg.pop("architectures")
-    config = AutoConfig.for_model(**cfg)
-    config.architectures = arch
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = os.path.join(root, kind if seed == 0 else f"{kind}-seed{seed}")
-    model.save_pretrained(path)
-    return path
+    return vllm_refit.make_model(kind, root, seed=seed, config=CONFIGS[kind])
 
 
 # ------------------------------------------------------------------------------------------------ Megatron
@@ -454,5 +444,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_refit: the engine helpers
     sys.exit(main())

@@ -58,17 +58,17 @@ EXPERT_RULE = """  - {match: 'mlp\\.experts\\.\\d+\\.'}                # per-exp
 """
 
 
-def make_model(kind: str, root: str) -> str:
-    """A tiny random model written by transformers' own `save_pretrained`."""
+def make_model(kind: str, root: str, *, seed: int = 0, config: dict | None = None) -> str:
+    """A tiny random model written by transformers' own `save_pretrained` (CONFIGS[kind] unless `config`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(CONFIGS[kind])
+    cfg = dict(config or CONFIGS[kind])
     arch = cfg.pop("architectures")
     config = AutoConfig.for_model(**cfg)
     config.architectures = arch
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = os.path.join(root, kind)
+    path = os.path.join(root, kind if seed == 0 else f"{kind}-seed{seed}")
     model.save_pretrained(path)
     return path
 

@@ -8,6 +8,7 @@ of Megatron's fused tensors and every user mistake's one-line error.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,25 @@ def test_bind_reads_every_checkpoint_box_from_megatron_storage(tmp_path, mesh, m
             assert torch.equal(got, hf[names[t]][box.slices()].to(got.dtype)), (rank, names[t])
 
 
+def test_transformer_engine_names_bind_like_the_local_spec(tmp_path):
+    layout = _layout(tmp_path, {"dp": 2, "tp": 2}, {"expert_model_parallel_size": 2})
+    hf = _hf_tensors(layout)
+    local = _megatron_params(layout, 3, hf)
+    te = {}
+    for n, x in local.items():  # the names the transformer-engine spec and TEGroupedMLP give the same tensors
+        n = n.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+        n = re.sub(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc\d)\.weight$", r".mlp.experts.\2.weight\1", n)
+        te[n] = x
+    assert any(".linear_fc1.weight1" in n for n in te)
+    a, b = fmt.bind(local, layout, 3), fmt.bind(te, layout, 3)
+    assert set(a) == set(b)
+    for name in a:
+        x, y = a[name], b[name]
+        if isinstance(x, Fragments):
+            x, y = x.read(x.box), y.read(y.box)
+        assert torch.equal(x, y), name
+
+
 def test_qkv_boxes_over_several_groups_are_fragments_read_without_copy_when_possible(tmp_path):
     layout = _layout(tmp_path, {"tp": 2})
     hf = _hf_tensors(layout)
@@ -158,7 +178,7 @@ def test_pipeline_split_mismatch_and_unknown_parameters_are_named(tmp_path):
     ({"dp": 2}, {"expert_model_parallel_size": 3}, "does not divide the 2 ranks"),
     ({"dp": 2, "tp": 2}, {"expert_model_parallel_size": 4, "expert_tensor_parallel_size": 2}, "does not divide"),
     ({"tp": 2}, {"pipeline_layout": [2]}, "unknown key"),
-    ({"tp": 2, "pp": 2}, None, "Megatron's dense grid dims are pp, dp, cp, tp in that order"),
+    ({"tp": 2, "pp": 2}, None, "the megatron mesh dims are pp, dp, cp, tp in that order"),
 ])
 def test_layout_errors_name_the_key(tmp_path, mesh, megatron, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -209,7 +229,7 @@ def _have(mod: str) -> bool:
 
 needs_megatron = pytest.mark.skipif(not (_have("megatron.core") and _have("mbridge")),
                                     reason="megatron-core and mbridge are not installed (pip install -e '.[megatron]')")
-CASES = ["qwen3-tp2", "qwen3-pp2", "moe-ep2", "moe-tp2-ep2"]
+CASES = ["qwen3-tp2", "qwen3-pp2", "moe-ep2", "moe-tp2-ep2", "llama-tp2-pp2"]
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +257,7 @@ def test_live_megatron_refit_is_exact_and_matches_megatrons_own_metadata(cases, 
 
 
 @needs_megatron
-@pytest.mark.parametrize("name", ["qwen3-pp2", "moe-tp2-ep2"])
+@pytest.mark.parametrize("name", ["qwen3-pp2", "moe-tp2-ep2", "llama-tp2-pp2"])
 def test_torch_dist_checkpoint_is_read_in_checkpoint_space(cases, name, tmp_path):
     r = cases[name]
     ckpt = r["dist_ckpt"]

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard_cli.errors import ConfigError
+from reshard_cli.formats import doc_line, format_mesh, format_options, storage_summary
 from reshard_cli.formats.storage import EngineTensor, View
 from reshard_cli.plan.geometry import Box
 
@@ -54,9 +55,7 @@ _KV_NAMES = r"self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$"
 _VOCAB = r"embed_tokens\.weight$|lm_head\.weight$"
 
 
-def _line(mapping, key):
-    lines = getattr(mapping, "lines", None)
-    return lines.get(key) if lines else getattr(mapping, "line", None)
+_line = doc_line
 
 
 def _int(opts: dict, key: str, file: str, default=None, minimum: int = 1):
@@ -97,25 +96,9 @@ def padded_vocab(vocab: int, divisor: int, tp: int) -> int:
 
 def expand(doc: dict, manifest, file: str) -> dict:
     """The layout document with Megatron's meshes, pipeline split, expert owners and placement rules."""
-    for key in ("meshes", "placements", "pipeline", "experts", "engine"):
-        if key in doc:
-            raise ConfigError(f"`{key}:` is derived by `format: megatron` from the mesh and `megatron:`; remove it",
-                              file=file, key=key, line=_line(doc, key))
-    mesh = doc.get("mesh")
-    if not isinstance(mesh, dict) or not mesh:
-        raise ConfigError("`format: megatron` needs `mesh:` with dims among pp, dp, cp, tp (tp fastest)", file=file,
-                          key="mesh", line=_line(doc, "mesh"))
-    dims = [str(d) for d in mesh]
-    if any(d not in DIMS for d in dims) or dims != sorted(dims, key=DIMS.index):
-        raise ConfigError(f"Megatron's dense grid dims are pp, dp, cp, tp in that order (tp fastest), got {dims}",
-                          file=file, key="mesh", line=_line(doc, "mesh"))
-    opts = doc.get("megatron") or {}
-    if not isinstance(opts, dict):
-        raise ConfigError("expected a mapping", file=file, key="megatron", line=_line(doc, "megatron"))
-    for k in opts:
-        if k not in MEGATRON_KEYS:
-            raise ConfigError(f"unknown key (allowed: {', '.join(MEGATRON_KEYS)})", file=file, key=f"megatron.{k}",
-                              line=_line(opts, k))
+    format_mesh(doc, "megatron", DIMS, ("meshes", "placements", "pipeline", "experts", "engine"), "megatron", file)
+    mesh = doc["mesh"]
+    opts = format_options(doc, "megatron", MEGATRON_KEYS, file)
     config = manifest.config or {}
     if not config:
         raise ConfigError(f"`format: megatron` needs the model's HF config (heads, vocab); {manifest.name!r} has "
@@ -415,15 +398,27 @@ def _num_experts(layout) -> int:
 # ------------------------------------------------------------------------------------------ live parameters
 
 
+# The transformer-engine layer spec (what Megatron runs on GPUs) names some parameters differently from the local
+# spec; both hold the same tensor. TE name -> local name:
+_TE_NAMES = ((re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
+             (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
+             (re.compile(r"\.mlp\.experts\.linear_fc(\d)\.weight(\d+)$"),  # grouped GEMM (TEGroupedMLP)
+              r".mlp.experts.local_experts.\2.linear_fc\1.weight"))
+
+
 def _strip(name: str) -> str:
+    """A parameter name as the local spec gives it: wrappers' `module.` prefixes dropped, TE names mapped."""
     while name.startswith("module."):
         name = name[len("module."):]
+    for rx, local in _TE_NAMES:
+        name = rx.sub(local, name)
     return name
 
 
 def bind(params: dict, layout, rank: int) -> dict:
     """This rank's checkpoint tensors as views into a live Megatron model's parameters (`named_parameters()`,
-    wrappers' `module.` prefixes allowed), keyed by checkpoint name: a tensor, or `Fragments` where a box is
+    wrappers' `module.` prefixes allowed; the local or the transformer-engine layer spec, grouped-GEMM experts
+    `linear_fc1.weightK` included), keyed by checkpoint name: a tensor, or `Fragments` where a box is
     spread over several regions. Every parameter the layout expects must exist with its shape and dtype, and
     every parameter of the model must be covered; otherwise one ConfigError names the tensor and the
     mismatch (heads, groups, vocab padding, expert count and pipeline split all show up here). A parameter
@@ -541,10 +536,9 @@ def summary(layout, rank: int | None = None) -> dict:
     straight from them (all of them: every checkpoint byte a rank holds has a view)."""
     rank = layout.ranks[0] if rank is None else rank
     tensors = storage(layout, rank)
-    filled = sum(v.box.numel * layout.manifest.tensors[v.tensor].itemsize for et in tensors for v in et.views)
-    total = sum(et.nbytes for et in tensors)
-    return {"format": "megatron", "rank": rank, "megatron_tensors": len(tensors), "megatron_bytes": total,
-            "direct_bytes": filled, "padding_bytes": total - filled,
+    s = storage_summary(layout, tensors, rank)
+    return {"format": "megatron", "rank": rank, "megatron_tensors": len(tensors), "megatron_bytes": s["total_bytes"],
+            "direct_bytes": s["direct_bytes"], "padding_bytes": s["padding_bytes"],
             "fused_tensors": sum(len({v.tensor for v in et.views}) > 1 for et in tensors)}
 
 

@@ -58,26 +58,11 @@ def vllm_pp_layers(num_layers: int, pp: int) -> list[int]:
 
 def expand(doc: dict, manifest, file: str) -> dict:
     """The layout document with vLLM's meshes, pipeline split, expert owners and placement rules filled in."""
-    for key in ("meshes", "placements", "pipeline", "experts"):
-        if key in doc:
-            raise ConfigError(f"`{key}:` is derived by `format: vllm` from the mesh and `engine:`; remove it",
-                              file=file, key=key, line=_line(doc, key))
-    mesh = doc.get("mesh")
-    if not isinstance(mesh, dict) or not mesh:
-        raise ConfigError("`format: vllm` needs `mesh:` with dims among dp, pp, tp (tp fastest)", file=file,
-                          key="mesh", line=_line(doc, "mesh"))
-    dims = [str(d) for d in mesh]
-    bad = [d for d in dims if d not in DIMS]
-    if bad or dims != sorted(dims, key=DIMS.index):
-        raise ConfigError(f"vLLM's mesh dims are dp, pp, tp in that order (tp fastest), got {dims}", file=file,
-                          key="mesh", line=_line(doc, "mesh"))
-    engine = doc.get("engine") or {}
-    if not isinstance(engine, dict):
-        raise ConfigError("expected a mapping", file=file, key="engine", line=_line(doc, "engine"))
-    for k in engine:
-        if k not in ENGINE_KEYS:
-            raise ConfigError(f"unknown key (allowed: {', '.join(ENGINE_KEYS)})", file=file, key=f"engine.{k}",
-                              line=_line(engine, k))
+    from reshard_cli.formats import format_mesh, format_options
+
+    dims = format_mesh(doc, "vllm", DIMS, ("meshes", "placements", "pipeline", "experts"), "engine", file)
+    mesh = doc["mesh"]
+    engine = format_options(doc, "engine", ENGINE_KEYS, file)
     engine_url(doc, file)  # checked here with the other keys
     ep = bool(engine.get("expert_parallel", False))
     if ep and not ({"dp", "tp"} & set(dims)):
@@ -164,8 +149,8 @@ def effective_placement(requested: str, config: dict) -> str:
 
 
 def _line(mapping, key):
-    lines = getattr(mapping, "lines", None)
-    return lines.get(key) if lines else getattr(mapping, "line", None)
+    from reshard_cli.formats import doc_line
+    return doc_line(mapping, key)
 
 
 # ------------------------------------------------------------------------------------------- engine storage
@@ -263,13 +248,14 @@ def summary(layout, rank: int | None = None) -> dict:
     """What one destination rank's engine storage holds (the group's first rank unless given): engine tensors,
     their bytes, the checkpoint bytes that land in them through views, and how many tensors are fused or
     stacked. Every checkpoint byte a rank holds has a view, so all of it is written in place."""
+    from reshard_cli.formats import storage_summary
+
     rank = layout.ranks[0] if rank is None else rank
     tensors = storage(layout, rank)
-    filled = sum(v.box.numel * layout.manifest.tensors[v.tensor].itemsize for et in tensors for v in et.views)
-    total = sum(et.nbytes for et in tensors)
+    s = storage_summary(layout, tensors, rank)
     held = sum(b.numel * layout.manifest.tensors[t].itemsize for t, b in layout.held(rank))
-    return {"format": "vllm", "rank": rank, "engine_tensors": len(tensors), "engine_bytes": total,
-            "checkpoint_bytes": held, "direct_bytes": filled, "padding_bytes": total - filled,
+    return {"format": "vllm", "rank": rank, "engine_tensors": len(tensors), "engine_bytes": s["total_bytes"],
+            "checkpoint_bytes": held, "direct_bytes": s["direct_bytes"], "padding_bytes": s["padding_bytes"],
             "fused_tensors": sum(len(et.views) > 1 for et in tensors)}
 
 

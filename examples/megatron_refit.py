@@ -352,8 +352,23 @@ def run_vllm_case(name: str, root: str, vllm_tp: int) -> dict:
     return row
 
 
-def run_case(name: str, root: str) -> dict:
+def run_case(name: str, root: str, attempts: int = 3) -> dict:
+    """One case; a port another process took between choosing and binding it is retried with new ports."""
+    for attempt in range(attempts):
+        try:
+            return _run_case(name, root)
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == attempts - 1:
+                raise
+            print(f"[{name}] a chosen port was taken meanwhile ({e}); again with new ports", flush=True)
+
+
+def _run_case(name: str, root: str) -> dict:
+    import shutil
+
     from reshard_cli.transfer.comm import free_port
+
+    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
     case = CASES[name]
     hf = make_model(case["model"], os.path.join(root, name))
@@ -382,9 +397,13 @@ def run_case(name: str, root: str) -> dict:
             p.kill()
         p.wait()
         if p.returncode != 0 and failed is None:
-            tail = [ln for ln in open(log).read().splitlines() if ln.strip()]
+            text = open(log).read()
+            tail = [ln for ln in text.splitlines() if ln.strip()]
             failed = f"{os.path.basename(log)}: " + (tail[-1] if tail else f"exit {p.returncode}")
+
     if failed:
+        if any("EADDRINUSE" in open(log).read() for log in logs):
+            failed += " (EADDRINUSE)"
         raise RuntimeError(f"{name}: {failed}")
     with open(paths["report"]) as f:
         everyone = json.load(f)

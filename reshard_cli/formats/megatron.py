@@ -121,7 +121,8 @@ def expand(doc: dict, manifest, file: str) -> dict:
         raise ConfigError(f"model {manifest.name!r} has no routed experts to spread", file=file,
                           key="megatron.expert_model_parallel_size", line=_line(opts, "expert_model_parallel_size"))
     if world % (pp * ep * etp):
-        raise ConfigError(f"the expert grid pp {pp} × ep {ep} × etp {etp} does not divide the {world} ranks", file=file,
+        raise ConfigError(f"the expert grid pp {pp} × ep {ep} × etp {etp} does not divide the {world} ranks",
+                          file=file,
                           key="megatron.expert_model_parallel_size", line=_line(opts, "expert_model_parallel_size"))
     if has_experts and arch.experts % ep:
         raise ConfigError(f"ep {ep} does not divide the model's {arch.experts} experts", file=file,
@@ -254,7 +255,8 @@ _SHARDED_RENAMES = (("input_layernorm.weight", "self_attention.linear_qkv.layer_
 
 @dataclass(frozen=True)
 class Target:
-    """Where checkpoint tensor `name` lives in Megatron: `local` with {layer} / {expert} placeholders."""
+    """Where a checkpoint tensor lives in Megatron: the parameter name `template` with {layer} / {expert}
+    placeholders (filled with stage-local / EP-local numbers), the global layer and expert, and how it is fused."""
 
     template: str
     layer: int | None
@@ -402,6 +404,10 @@ def _num_experts(layout) -> int:
 # spec; both hold the same tensor. TE name -> local name:
 _TE_NAMES = ((re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
              (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
+             (re.compile(r"\.self_attention\.linear_q_up_proj\.layer_norm_weight$"),
+              ".self_attention.q_layernorm.weight"),
+             (re.compile(r"\.self_attention\.linear_kv_up_proj\.layer_norm_weight$"),
+              ".self_attention.kv_layernorm.weight"),
              (re.compile(r"\.mlp\.experts\.linear_fc(\d)\.weight(\d+)$"),  # grouped GEMM (TEGroupedMLP)
               r".mlp.experts.local_experts.\2.linear_fc\1.weight"))
 
@@ -436,7 +442,8 @@ def bind(params: dict, layout, rank: int) -> dict:
         p = have.get(et.name)
         if p is None:
             raise ConfigError(f"rank {rank}: the Megatron model has no parameter {et.name!r} (the layout puts "
-                              f"{names[et.views[0].tensor]} here: {_hint(layout, rank)})", key="src")
+                              f"{names[et.views[0].tensor]} here: {_hint(layout, rank)}; a buffer such as a "
+                              f"router's expert_bias is passed with named_buffers())", key="src")
         data = p.data if isinstance(p, torch.nn.Parameter) else p
         want = getattr(torch, et.dtype)
         if tuple(data.shape) == et.shape and data.dtype != want and data.is_floating_point() \
@@ -553,10 +560,11 @@ def live_layout(model, hf_model, *, rank: int | None = None, file: str = "<megat
 
 
 def live_layout_doc(model, hf_model, *, rank: int | None = None, file: str = "<megatron model>") -> dict:
-    """The source layout document (YAML-ready) of a running Megatron-core model, read from `megatron.core.parallel_state` and the
-    model itself (layers per stage, padded vocabulary); `hf_model` is the checkpoint it corresponds to (a
-    config.json, a safetensors directory or a bundled name) and names the tensors. Collective over Megatron's
-    world. `rank` is this process's rank in the refit (default: its Megatron world rank).
+    """The source layout document (YAML-ready) of a running Megatron-core model, read from
+    `megatron.core.parallel_state` and the model itself (layers per stage, padded vocabulary); `hf_model` is
+    the checkpoint it corresponds to (a config.json, a safetensors directory or a bundled name) and names the
+    tensors. Collective over Megatron's world. `rank` is this process's rank in the refit (default: its
+    Megatron world rank).
 
     Every rank checks its coordinates in the derived meshes against parallel_state's; `bind` (called by
     `Refit`) then checks every parameter against the layout, so a mismatch fails before any byte moves."""

@@ -145,7 +145,8 @@ class Refit:
             if self.rank not in layout.ranks:
                 continue
             man = layout.manifest
-            if layout.format == "megatron" and role == "src" and any(n not in tensors for n in _names(layout)):
+            held_names = (man.tensors[t].name for t, _ in layout.held(self.rank))
+            if layout.format == "megatron" and role == "src" and any(n not in tensors for n in held_names):
                 from reshard_cli.formats import megatron
                 tensors = {**tensors, **megatron.bind(tensors, layout, self.rank)}  # Megatron's own parameters
             for t, box in layout.held(self.rank):
@@ -185,10 +186,6 @@ def _as_layout(x) -> Layout | None:
     if x is None or isinstance(x, Layout):
         return x
     return load_layout(x)
-
-
-def _names(layout: Layout):
-    return (t.name for t in layout.manifest.tensors)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

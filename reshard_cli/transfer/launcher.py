@@ -79,8 +79,9 @@ def launch(world: int, argv: list[str]) -> None:
         torchrun(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        if failure.exitcode in (1, 2):  # our own exit: the worker already printed its one-line error
-            raise Reported(f"worker rank {rank} failed", failure.exitcode) from None
+        ours = [f.exitcode for f in e.failures.values() if f.exitcode in (1, 2)]
+        if ours:  # our own exit: a worker already printed the one-line error (others may have been stopped)
+            raise Reported(f"worker rank {rank} failed", max(ours)) from None
         raise RuntimeFailure(f"worker rank {rank} died (exit code {failure.exitcode}); "
                              f"the other workers were stopped") from None
 

@@ -59,9 +59,10 @@ def _megatron_params(layout, rank, hf):
     er, etr = ecoord.get("ep", 0), ecoord.get("etp", 0)
     g, hd, heads = CONFIG["num_key_value_heads"], CONFIG["head_dim"], CONFIG["num_attention_heads"]
     layers = CONFIG["num_hidden_layers"] // pp
+    padded = next(p.pad for t, p in zip(layout.manifest.tensors, layout.placements)
+                  if t.name == "model.embed_tokens.weight")
     out = {}
     if stage == 0:
-        padded = layout.placements[0].pad
         emb = torch.cat([hf["model.embed_tokens.weight"], torch.zeros(padded - CONFIG["vocab_size"], 64,
                                                                         dtype=torch.bfloat16)])
         out["embedding.word_embeddings.weight"] = emb.chunk(tp)[r]
@@ -87,7 +88,6 @@ def _megatron_params(layout, rank, hf):
             out[f"{m}mlp.experts.local_experts.{j}.linear_fc2.weight"] = hf[x + "down_proj.weight"].chunk(etp, 1)[etr]
     if stage == pp - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-        padded = layout.placements[-1].pad
         head = torch.cat([hf["lm_head.weight"], torch.zeros(padded - CONFIG["vocab_size"], 64, dtype=torch.bfloat16)])
         out["output_layer.weight"] = head.chunk(tp)[r]
     return {f"module.{n}": x.contiguous() for n, x in out.items()}  # a DDP-style wrapper prefix
@@ -159,6 +159,17 @@ def test_a_model_that_differs_from_the_layout_is_one_line_naming_the_tensor(tmp_
         fmt.bind(params, wrong, 0)
     msg = str(e.value)
     assert needle in msg and "\n" not in msg and "rank 0" in msg, msg
+
+
+def test_tied_embeddings_read_once_from_the_first_stage(tmp_path):
+    layout = _layout(tmp_path, {"pp": 2, "tp": 2}, tie_word_embeddings=True)
+    assert "lm_head.weight" not in {t.name for t in layout.manifest.tensors}
+    hf = _hf_tensors(layout)
+    hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    last = _megatron_params(layout, 3, hf)  # Megatron keeps a copy as the last stage's output layer
+    assert "module.output_layer.weight" in last
+    bound = fmt.bind(last, layout, 3)
+    assert "model.embed_tokens.weight" not in bound and "model.norm.weight" in bound
 
 
 def test_pipeline_split_mismatch_and_unknown_parameters_are_named(tmp_path):

@@ -456,6 +456,8 @@ def bind(params: dict, layout, rank: int) -> dict:
         for v in et.views:
             parts.setdefault(v.tensor, []).append((v.box, data[v.region]))
     covered = {et.name for et in expected}
+    if "lm_head.weight" not in names:  # tied: the last stage's output layer is a copy of the embedding
+        covered.add("output_layer.weight")
     extra = [n for n in have if n not in covered and not n.endswith("_extra_state")
              and "position_embeddings" not in n]
     if extra:

@@ -5,7 +5,6 @@ Every ReshardError becomes one line on stderr and its exit code (2: bad input, 1
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -284,19 +283,6 @@ def bench(
         plan_scaling=plan_scaling, quiet=quiet, timeout=timeout, dcp_dir=dcp_dir, argv=sys.argv[1:]))
 
 
-def _exit(code: int) -> None:
-    """Exit with `code`. A torchrun worker that failed leaves at once: its one line is printed, and tearing
-    down a gloo group whose peers are leaving too can abort in C++ ("terminate called without an active
-    exception"), which the launcher would report as a crash."""
-    from reshard_cli.transfer.launcher import under_torchrun
-
-    if under_torchrun():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
 def main() -> None:
     """Console entry point: one-line errors, exit codes 2 (bad input) / 1 (runtime failure)."""
     debug = "--debug" in sys.argv[1:]
@@ -310,7 +296,7 @@ def main() -> None:
             sys.exit(e.exit_code)
         if not e.quiet:
             typer.echo(f"reshard: error: {e}", err=True)
-        _exit(e.exit_code)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         typer.echo("reshard: interrupted", err=True)
         sys.exit(130)
@@ -319,7 +305,7 @@ def main() -> None:
             raise
         typer.echo(f"reshard: internal error: {e.__class__.__name__}: {e} (run with --debug for the traceback)",
                    err=True)
-        _exit(1)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -78,14 +78,6 @@ def launch(world: int, argv: list[str]) -> None:
     try:
         torchrun(args)
     except ChildFailedError as e:
-        # A worker that died (a signal, a crash) is what the user must hear about; the others then exit with our
-        # own codes (1, 2) after printing their one line, whichever of them torchrun saw first. SIGTERM (-15)
-        # is torchrun stopping the rest after the first failure.
-        crashed = sorted((r, f.exitcode) for r, f in e.failures.items() if f.exitcode not in (1, 2, -15))
-        if crashed:
-            rank, code = crashed[0]
-            raise RuntimeFailure(f"worker rank {rank} died (exit code {code}); the other workers were stopped") \
-                from None
         rank, failure = e.get_first_failure()
         if failure.exitcode in (1, 2):  # our own exit: the worker already printed its one-line error
             raise Reported(f"worker rank {rank} failed", failure.exitcode) from None

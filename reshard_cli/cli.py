@@ -5,6 +5,7 @@ Every ReshardError becomes one line on stderr and its exit code (2: bad input, 1
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -283,6 +284,19 @@ def bench(
         plan_scaling=plan_scaling, quiet=quiet, timeout=timeout, dcp_dir=dcp_dir, argv=sys.argv[1:]))
 
 
+def _leave_bad_input() -> None:
+    """A torchrun worker whose ranks all agreed on a bad-input error (its line is printed) leaves at once:
+    tearing down gloo while the peers leave too can abort in C++ ("terminate called without an active
+    exception"), which the launcher would report as a crash. Runtime failures (a dead peer) exit normally, so
+    torchrun still sees the dead rank first."""
+    from reshard_cli.transfer.launcher import under_torchrun
+
+    if under_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+
+
 def main() -> None:
     """Console entry point: one-line errors, exit codes 2 (bad input) / 1 (runtime failure)."""
     debug = "--debug" in sys.argv[1:]
@@ -296,6 +310,8 @@ def main() -> None:
             sys.exit(e.exit_code)
         if not e.quiet:
             typer.echo(f"reshard: error: {e}", err=True)
+        if e.exit_code == 2:
+            _leave_bad_input()
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         typer.echo("reshard: interrupted", err=True)

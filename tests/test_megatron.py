@@ -292,7 +292,7 @@ def test_torch_dist_checkpoint_that_is_not_the_model_is_one_line(cases, tmp_path
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 2
     err = run.stderr.strip().splitlines()
-    assert err and "reshard: error:" in err[0], run.stderr[-2000:]
+    assert len(err) == 1 and "reshard: error:" in err[0], run.stderr[-2000:]
     assert other in err[0] and "has no key" in err[0] and "model.layers." in err[0], err[0]
 
 

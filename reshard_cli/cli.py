@@ -285,10 +285,10 @@ def bench(
 
 
 def _leave_bad_input() -> None:
-    """A torchrun worker whose ranks all agreed on a bad-input error (its line is printed) leaves at once:
-    tearing down gloo while the peers leave too can abort in C++ ("terminate called without an active
-    exception"), which the launcher would report as a crash. Runtime failures (a dead peer) exit normally, so
-    torchrun still sees the dead rank first."""
+    """The torchrun worker that printed a bad-input error all ranks agreed on leaves at once: tearing down gloo
+    while the peers leave too can abort in C++ ("terminate called without an active exception"), which the
+    launcher would report as a crash. The quiet ranks exit normally (after it has printed, never before), and
+    runtime failures (a dead peer) too, so torchrun still sees a dead rank first."""
     from reshard_cli.transfer.launcher import under_torchrun
 
     if under_torchrun():
@@ -310,8 +310,8 @@ def main() -> None:
             sys.exit(e.exit_code)
         if not e.quiet:
             typer.echo(f"reshard: error: {e}", err=True)
-        if e.exit_code == 2:
-            _leave_bad_input()
+            if e.exit_code == 2:
+                _leave_bad_input()
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         typer.echo("reshard: interrupted", err=True)

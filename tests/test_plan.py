@@ -132,6 +132,42 @@ def test_schedule_ends_agree(tmp_path, pair, bucket, direct):
         assert all(n <= max(bucket // 2, schedule.ALIGN) or direct <= n for n in sends.values())
 
 
+@pytest.mark.parametrize("bucket,direct", [(256, 64), (1 << 20, 1 << 30), (64, 0)])
+def test_forwards_follow_the_message_that_brings_their_data(tmp_path, bucket, direct):
+    """Phase 1 is pipelined per bucket: each forward a rank sends names (`after`) one of its own received
+    phase-0 messages with a smaller key whose items cover the forward's, and the forwards carry exactly the
+    plan's phase-1 pieces."""
+    from reshard_cli.plan import schedule
+
+    src_path, dst_path = write_pair(tmp_path, "pp2_ep2_to_dp2_tp2")
+    src, dst = load_pair(src_path, dst_path)
+    plan = Plan(src, dst, Topology(name="t", ranks_per_domain=2), mode="reshard")
+    want = {(p.tensor, p.src, p.dst, p.box) for p in plan.pieces() if p.phase == 1}
+    assert want
+    opts = schedule.TransferOptions(bucket_bytes=bucket, direct_min_bytes=direct)
+    got = set()
+    for rank in dst.ranks:
+        ops = schedule.rank_ops(plan, rank, opts)
+        received = {o.key: o for o in ops if not o.send and o.key[4] == 0}
+        for o in ops:
+            if o.after is None:
+                continue
+            m = received[o.after]
+            assert m.key < o.key and o.key[:4] == m.key[:4]
+            carried = {(t, b) for t, b, _ in m.items}
+            assert all((t, b) in carried for t, b, _ in o.items)
+            for t, b, _ in o.items:
+                got.add((t, rank, o.peer, b))
+    # a piece larger than a bucket is forwarded part by part: compare the elements per (tensor, from, to)
+    def volume(xs):
+        out: dict = {}
+        for t, s, d, b in xs:
+            out[(t, s, d)] = out.get((t, s, d), 0) + b.numel
+        return out
+
+    assert volume(got) == volume(want)
+
+
 def test_layouts_listing_tensors_in_other_orders_pair_by_name(tmp_path):
     """A checkpoint's header order and a config's order differ; the plan must still pair tensors by name."""
     (tmp_path / "a.yaml").write_text("tensors:\n  - {name: x, shape: [4, 6]}\n  - {name: y, shape: [8, 2]}\n")

@@ -4,15 +4,25 @@ Both ends of every message compute it alike from the plan and the `TransferOptio
 of the schedule's input (never read from a process's environment): two ranks with different options would
 post mismatched sends and receives.
 
-Reshard path: the pieces between one sender and one receiver are packed into buckets of at most half the
-staging budget (`bucket_bytes`), so two staging buffers let the next bucket be packed (or the previous one
-unpacked) while the current one is on the wire. A piece of at least `direct_min_bytes` travels alone, straight
-from the source tensor into the destination tensor where that end is contiguous; only a strided end copies.
+Reshard path: the pieces between one sender and one receiver travel in as few messages as the staging budget
+allows: packed into buckets of at most half of `bucket_bytes`, one message per bucket. A piece of at least
+`direct_min_bytes` that is one contiguous run at either end travels alone, straight from the source tensor or
+into the destination tensor, so that end copies nothing (a strided end packs or unpacks it, half a bucket at a
+time). Staging is one ring of `bucket_bytes` per rank: as many packed messages are in flight as fit in it.
 
-Op order cannot deadlock: every message has a global key (phase, step, sender, receiver, bucket) known to
-both ends, where step = (receiver index - sender index) mod M makes each step a matching between the groups;
-each rank posts its sends and receives in key order. The smallest unfinished message then always has both
-ends waiting on it, so it completes — at any scale.
+Forwarding (phase 1) is pipelined per bucket: a destination rank that received a phase-0 message M whose
+items its domain peers also need forwards those items to each peer g in one message as soon as M has landed.
+Both ends derive that message from M (the receiver g rebuilds its forwarder's phase-0 messages from the
+plan), so it needs no handshake.
+
+Op order cannot deadlock: every message has a global key (step, sender index, receiver index, bucket, slot)
+known to both ends. For a phase-0 message step = (receiver index - sender index) mod M makes each step a
+matching between the groups, and slot = 0; the forward of M to peer g has M's key with slot = 1 + g's index,
+so it follows M. Each rank posts its sends and receives in key order, and waits only for messages with
+smaller keys (a full window or staging ring waits for its oldest message; a forward waits for the M that
+brings its data). So the smallest unfinished message always has both ends posted and waiting on it, and it
+completes — at any scale. Both ends of every pair see its messages in the same (key) order, which is all the
+per-pair FIFO matching of gloo and NCCL point-to-point needs.
 
 Broadcast path: tensors with the same root are packed together, up to half a bucket per pack; one pack per
 root is open at a time (tensors of one root need not be consecutive). The cost model counts packs with the
@@ -37,9 +47,9 @@ def align(n: int) -> int:
 class TransferOptions:
     """What shapes the messages. Every rank of a refit must use the same values."""
 
-    bucket_bytes: int = 64 << 20  # staging per rank: two buffers of half this
-    direct_min_bytes: int = 64 << 10  # pieces this large travel alone where one end is contiguous
-    window: int = 32  # messages in flight per rank (at most two of them staged)
+    bucket_bytes: int = 64 << 20  # staging per rank (one ring); a bucket is at most half of it
+    direct_min_bytes: int = 1 << 20  # pieces this large travel alone where one end is contiguous
+    window: int = 32  # messages in flight per rank (packed ones as many as fit in the staging ring)
 
     def __post_init__(self):
         if self.bucket_bytes <= 0 or self.direct_min_bytes < 0 or self.window < 1:
@@ -54,11 +64,12 @@ class TransferOptions:
 class Op(NamedTuple):
     """One message of this rank: its global key, direction, peer and the (tensor, box, byte offset) it carries."""
 
-    key: tuple  # (phase, step, sender index, receiver index, bucket number)
+    key: tuple  # (step, sender index, receiver index, bucket number, slot): see the module docstring
     send: bool
     peer: int
     items: tuple  # ((tensor, box, byte offset in the bucket), ...)
     nbytes: int
+    after: tuple | None = None  # a forward this rank sends: the key of the message that brings its data
 
 
 @dataclass
@@ -94,57 +105,104 @@ class PackFiller:
 
 def rank_ops(plan: Plan, rank: int, options: TransferOptions, pieces=None) -> list[Op]:
     """This rank's reshard-path messages in global key order (`pieces` defaults to its rank view's)."""
-    src_idx = {r: i for i, r in enumerate(plan.src.ranks)}
-    dst_idx = {r: i for i, r in enumerate(plan.dst.ranks)}
-    tensors = plan.src.manifest.tensors
-    item = [s.itemsize for s in tensors]
-    half = options.half
-    by_peer: dict[tuple, list] = {}
-    for p in (plan.rank_view(rank).pieces if pieces is None else pieces):
-        send = p.src == rank
-        peer = p.dst if send else p.src
-        by_peer.setdefault((p.phase, send, peer), []).append((p.tensor, p.box))
-    ops = []
-    for (phase, send, peer), items in by_peer.items():
-        s, d = (rank, peer) if send else (peer, rank)
-        if phase == 0:
-            si, di, m = src_idx.get(s, 0), dst_idx[d], max(len(src_idx), len(dst_idx))
+    pieces = plan.rank_view(rank).pieces if pieces is None else pieces
+    sched = _PairSchedule(plan, options)
+    direct: dict[tuple, list] = {}  # (send, peer) -> phase-0 items
+    fwd_out: dict[tuple, list[int]] = {}  # (tensor, box) this rank forwards -> the peers it goes to
+    fwd_in: dict[int, set] = {}  # forwarder -> the (tensor, box) it forwards to this rank
+    for p in pieces:
+        if p.phase == 0:
+            send = p.src == rank
+            direct.setdefault((send, p.dst if send else p.src), []).append((p.tensor, p.box))
+        elif p.src == rank:
+            fwd_out.setdefault((p.tensor, p.box), []).append(p.dst)
         else:
-            si, di, m = dst_idx[s], dst_idx[d], len(dst_idx)
-        step = (di - si) % m
-        items.sort(key=lambda x: (x[0], x[1].offsets))
-        # Large pieces travel alone, straight from the source tensor into the destination tensor where
-        # that end is contiguous; small ones are packed. Both ends decide alike from the plan.
-        src_layout = plan.src if phase == 0 else plan.dst
+            fwd_in.setdefault(p.src, set()).add((p.tensor, p.box))
+    ops = []
+    for (send, peer), items in direct.items():
+        s, d = (rank, peer) if send else (peer, rank)
+        for key, its, nbytes, whole in sched.messages(s, d, items):
+            ops.append(Op(key, send, peer, its, nbytes))
+            if not send and fwd_out:  # forward what the domain peers need of it, as soon as it lands
+                by_peer: dict[int, list] = {}
+                for (t, box, _off), piece in zip(its, whole):
+                    for g in fwd_out.get((t, piece), ()):
+                        by_peer.setdefault(g, []).append((t, box))
+                for g, fw in by_peer.items():
+                    packed, n = sched.pack(fw)
+                    ops.append(Op(key[:4] + (1 + sched.dst_idx[g],), True, g, packed, n, key))
+    me = sched.dst_idx.get(rank)
+    for d, wanted in fwd_in.items():  # the forwards this rank receives: rebuilt from d's phase-0 messages
+        inbound: dict[int, list] = {}
+        for p in plan.rank_view(d).pieces:
+            if p.phase == 0 and p.dst == d:
+                inbound.setdefault(p.src, []).append((p.tensor, p.box))
+        for s, items in inbound.items():
+            for key, its, _n, whole in sched.messages(s, d, items):
+                fw = [(t, box) for (t, box, _off), piece in zip(its, whole) if (t, piece) in wanted]
+                if fw:
+                    packed, n = sched.pack(fw)
+                    ops.append(Op(key[:4] + (1 + me,), False, d, packed, n))
+    ops.sort(key=lambda o: o.key)
+    return ops
+
+
+class _PairSchedule:
+    """The phase-0 messages between one sender and one receiver, computed alike on both ends."""
+
+    def __init__(self, plan: Plan, options: TransferOptions):
+        self.plan, self.options = plan, options
+        self.src_idx = {r: i for i, r in enumerate(plan.src.ranks)}
+        self.dst_idx = {r: i for i, r in enumerate(plan.dst.ranks)}
+        self.m = max(len(self.src_idx), len(self.dst_idx))
+        self.tensors = plan.src.manifest.tensors
+
+    def messages(self, s: int, d: int, items: list) -> list[tuple]:
+        """[(key, ((tensor, box, offset), ...), nbytes, (the piece each item is part of, ...))] of the pair
+        s -> d, in bucket order (a piece larger than a bucket travels in parts)."""
+        plan, opts, tensors = self.plan, self.options, self.tensors
+        si, di = self.src_idx[s], self.dst_idx[d]
+        step = (di - si) % self.m
+        half = opts.half
+        out: list[tuple] = []
         bucket: list = []
-        size = end = n = 0  # next aligned offset; end of the last item (the message length); bucket no.
-        for t, box in items:
-            nb = box.numel * item[t]
-            if nb >= options.direct_min_bytes:
-                at_src = _contiguous(src_layout, s, tensors[t].shape, t, box)
+        whole: list = []
+        size = end = 0  # next aligned offset; end of the last item (the message length)
+        for t, box in sorted(items, key=lambda x: (x[0], x[1].offsets)):
+            item = self.tensors[t].itemsize
+            nb = box.numel * item
+            if nb >= opts.direct_min_bytes:
+                at_src = _contiguous(plan.src, s, tensors[t].shape, t, box)
                 at_dst = _contiguous(plan.dst, d, tensors[t].shape, t, box)
                 if at_src or at_dst:  # travels alone; only a strided end copies, half a bucket at a time
                     k = 1 if at_src and at_dst else -(-nb // half)
-                    for b in (box.split(k) if k > 1 else [box]):
-                        if b.numel:
-                            ops.append(Op((phase, step, si, di, n), send, peer, ((t, b, 0),), b.numel * item[t]))
-                            n += 1
+                    out.extend((((t, b, 0),), b.numel * item, (box,))
+                               for b in (box.split(k) if k > 1 else [box]) if b.numel)
                     continue
             k = -(-nb // half)  # a non-contiguous piece larger than a bucket is split (alike on both ends)
             for b in (box.split(k) if k > 1 else [box]):
-                nb = b.numel * item[t]
+                nb = b.numel * item
                 if not nb:
                     continue
                 if bucket and size + nb > half:
-                    ops.append(Op((phase, step, si, di, n), send, peer, tuple(bucket), end))
-                    bucket, size, end, n = [], 0, 0, n + 1
+                    out.append((tuple(bucket), end, tuple(whole)))
+                    bucket, whole, size, end = [], [], 0, 0
                 bucket.append((t, b, size))
+                whole.append(box)
                 end = size + nb
                 size = align(end)
         if bucket:
-            ops.append(Op((phase, step, si, di, n), send, peer, tuple(bucket), end))
-    ops.sort(key=lambda o: o.key)
-    return ops
+            out.append((tuple(bucket), end, tuple(whole)))
+        return [((step, si, di, n, 0), its, nbytes, wh) for n, (its, nbytes, wh) in enumerate(out)]
+
+    def pack(self, items: list) -> tuple[tuple, int]:
+        """Items laid out one after another (aligned): ((tensor, box, offset), ...) and the message length."""
+        out, size, end = [], 0, 0
+        for t, box in items:
+            out.append((t, box, size))
+            end = size + box.numel * self.tensors[t].itemsize
+            size = align(end)
+        return tuple(out), end
 
 
 def _contiguous(layout, rank: int, shape: tuple, t: int, box: Box) -> bool:

@@ -2,9 +2,11 @@
 
 The schedule (`reshard_cli.plan.schedule`) says which bytes travel in which message and in which global
 order (the deadlock-freedom argument is written there); this module moves them. Reshard path: up to
-`window` messages in flight, two staging buffers (the next bucket is packed, or the previous one unpacked,
-while the current one is on the wire); a message that is one contiguous region at this end is sent from /
-received into the tensor itself, with no copy.
+`window` messages in flight; packed messages take their space from one staging ring of `bucket_bytes`
+(allocated once, at most what this rank's packed messages need, and kept across refits), freed in the order
+the messages finish, so the next buckets are packed (or earlier ones unpacked) while others are on the wire.
+A message that is one contiguous region at this end is sent from / received into the tensor itself, with no
+copy. A forward is posted as soon as the message that brings its data has landed.
 
 Broadcast path (the baseline RL frameworks use): for each pack the root gathers the other source shards,
 assembles full tensors in the pack and broadcasts it to the whole destination group; each destination rank
@@ -23,6 +25,7 @@ from reshard_cli.plan.geometry import Box
 from reshard_cli.plan.planner import Bcast, Plan
 from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.transfer.comm import WORLD
+from reshard_cli.transfer.shards import Fragments
 
 
 @dataclass
@@ -45,7 +48,10 @@ class Engine:
         self.view = self.plan.rank_view(self.rank)
         self.ops = schedule.rank_ops(self.plan, self.rank, self.options, self.view.pieces)
         self.packs = schedule.packs(self.plan, self.options, self.rank)
-        self._staging: list[torch.Tensor] = []
+        self._staging: list[torch.Tensor] = []  # broadcast path
+        self._ring: _Ring | None = None  # reshard path
+        self._views: dict = {}  # (0 src | 1 dst, tensor, box) -> view of a shard
+        self._bound: tuple | None = None  # the shard dicts the views are of
         self._groups: dict[int, object] = {}
         self.peak_staging_bytes = 0
         self.bytes_sent = 0
@@ -76,54 +82,85 @@ class Engine:
         return buf[off:off + n].view(self._dtype[t]).view(box.sizes)
 
     def _src_view(self, t: int, box: Box) -> torch.Tensor:
-        return self.src_shards[t].read(box)
+        sh = self.src_shards[t]
+        if isinstance(sh.data, Fragments):  # assembled from the current values on every read: never cached
+            return sh.read(box)
+        v = self._views.get((0, t, box))
+        if v is None:
+            v = self._views[(0, t, box)] = sh.read(box)
+        return v
 
     def _dst_view(self, t: int, box: Box) -> torch.Tensor:
-        sh = self.dst_shards[t]
-        return sh.data[box.local_slices(sh.box)]
+        v = self._views.get((1, t, box))
+        if v is None:
+            sh = self.dst_shards[t]
+            v = self._views[(1, t, box)] = sh.data[box.local_slices(sh.box)]
+        return v
+
+    def _fresh_views(self) -> None:
+        """Views are kept between refits while the shards are the same objects (a rebind drops them)."""
+        bound = (self.src_shards, self.dst_shards)
+        if self._bound is None or any(a is not b for a, b in zip(bound, self._bound)):
+            self._views.clear()
+            self._bound = bound
 
     # ------------------------------------------------------------------------------------ reshard path
 
+    def _staging_ring(self) -> "_Ring":
+        if self._ring is None:
+            need = sum(schedule.align(op.nbytes) for op in self.ops)  # an upper bound: direct ones need none
+            cap = min(need, max(self.options.bucket_bytes, schedule.ALIGN))
+            self._ring = _Ring(torch.empty(cap, dtype=torch.uint8, device=self.device))
+            self.peak_staging_bytes = max(self.peak_staging_bytes,
+                                          cap + sum(b.numel() for b in self._staging))
+        return self._ring
+
     def run_reshard(self) -> None:
+        if not self.ops:
+            return
+        ring = self._staging_ring()
+        self._fresh_views()
         pending: deque = deque()
-        free = [0, 1]
-        phase = 0
+        window = self.options.window
         for op in self.ops:
-            if op.key[0] != phase:  # phase 1 forwards phase-0 data: everything received must have landed
-                while pending:
-                    self._finish(pending.popleft(), free)
-                phase = op.key[0]
-            # phase 1 forwards what this destination rank received in phase 0
-            read = self._src_view if phase == 0 else self._dst_view
+            if op.after is not None:  # a forward: the message that brings its data must have landed
+                while pending and pending[0][1].key <= op.after:
+                    self._finish(pending.popleft(), ring)
+            # a forward reads what this rank received; a phase-0 send reads the source
+            read = self._dst_view if op.after is not None else self._src_view
             direct = None
             if len(op.items) == 1:
                 t, box, _ = op.items[0]
                 v = read(t, box) if op.send else self._dst_view(t, box)
                 if v.is_contiguous():
                     direct = v
-            while len(pending) >= self.options.window or (direct is None and not free):
-                self._finish(pending.popleft(), free)
+            while len(pending) >= window:
+                self._finish(pending.popleft(), ring)
             if direct is not None:
-                tensor, slot = direct, None
+                tensor, staged = direct, _DIRECT
+            elif schedule.align(op.nbytes) > ring.cap:  # planned as direct, but this tensor is strided here
+                tensor, staged = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device), _TEMP
+                self.peak_staging_bytes = max(self.peak_staging_bytes, ring.cap + op.nbytes)
             else:
-                slot = free.pop()
-                tensor = self._buffer(slot, op.nbytes)
+                while (off := ring.alloc(op.nbytes)) is None:
+                    self._finish(pending.popleft(), ring)
+                tensor, staged = ring.buf[off:off + op.nbytes], _RING
                 if op.send:
-                    for t, box, off in op.items:
-                        self._slot(tensor, t, box, off).copy_(read(t, box))
+                    for t, box, o in op.items:
+                        self._slot(tensor, t, box, o).copy_(read(t, box))
             work = self.comm.isend(tensor, op.peer) if op.send else self.comm.irecv(tensor, op.peer)
-            pending.append((work, op, tensor, slot))
+            pending.append((work, op, tensor, staged))
         while pending:
-            self._finish(pending.popleft(), free)
+            self._finish(pending.popleft(), ring)
 
-    def _finish(self, entry, free: list) -> None:
-        work, op, tensor, slot = entry
+    def _finish(self, entry, ring: "_Ring") -> None:
+        work, op, tensor, staged = entry
         work.wait()
-        if not op.send and slot is not None:
+        if not op.send and staged != _DIRECT:
             for t, box, off in op.items:
                 self._dst_view(t, box).copy_(self._slot(tensor, t, box, off))
-        if slot is not None:
-            free.append(slot)
+        if staged == _RING:
+            ring.free()
         if not op.send:
             self.bytes_received += op.nbytes
         if op.send:
@@ -134,6 +171,7 @@ class Engine:
     # ---------------------------------------------------------------------------------- broadcast path
 
     def run_broadcast(self) -> None:
+        self._fresh_views()
         for pack in self.packs:
             is_root = pack.root == self.rank
             buf = self._buffer(0, pack.nbytes) if (is_root or self.rank in self.plan.dst.ranks) else None
@@ -173,3 +211,34 @@ class Engine:
             for s, a in bc.gather:
                 if s == self.rank:
                     self.comm.isend(self._src_view(t, a).contiguous(), bc.root).wait()
+
+
+_DIRECT, _RING, _TEMP = 0, 1, 2  # where a message's bytes are: the tensor itself, the staging ring, a temporary
+
+
+class _Ring:
+    """The reshard path's staging: one buffer handed out in FIFO order (messages finish in the order they
+    were posted, so space frees from the oldest end)."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+        self.cap = buf.numel()
+        self.live: deque = deque()  # (start, end) of the regions in use, oldest first
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of `nbytes` free bytes, or None until the oldest region is freed."""
+        n = schedule.align(nbytes)
+        if not self.live:
+            start = 0 if n <= self.cap else None
+        else:
+            tail, head = self.live[0][0], self.live[-1][1]
+            if head > tail:  # in use: [tail, head)
+                start = head if head + n <= self.cap else (0 if n <= tail else None)
+            else:  # wrapped: in use [tail, cap) and [0, head)
+                start = head if head + n <= tail else None
+        if start is not None:
+            self.live.append((start, start + n))
+        return start
+
+    def free(self) -> None:
+        self.live.popleft()

@@ -17,8 +17,9 @@ def _live(rank, world, src_path, dst_path):
     role = "src" if rank in src.ranks else "dst" if rank in dst.ranks else "idle"
     refit = Refit(role=role, src=src_path, dst=dst_path, mode="hybrid")
     results = []
-    buffers: dict = {}  # the destination buffers of the first refit, reused (in place) by the second
-    for step in range(2):
+    buffers: dict = {}  # the destination buffers of the first refit, reused (in place) later
+    sources: dict = {}  # step 1 updates the step-0 source tensors in place (the binding is kept); 2 passes new ones
+    for step in range(3):
         full = {s.name: (torch.arange(s.numel, dtype=torch.float32).reshape(s.shape) * (step + 1)).to(
             getattr(torch, s.dtype)) for s in man}
         tensors = {}
@@ -26,8 +27,10 @@ def _live(rank, world, src_path, dst_path):
             layout = src if role == "src" else dst
             if role != "idle" and rank in layout.placements[t].holder_set:
                 box = layout.placements[t].box_of(s.shape, rank)
-                if role == "src":
-                    tensors[s.name] = full[s.name][box.slices()].clone()
+                if role == "src" and step == 1:
+                    tensors[s.name] = sources[s.name].copy_(full[s.name][box.slices()])
+                elif role == "src":
+                    tensors[s.name] = sources[s.name] = full[s.name][box.slices()].clone()
                 else:
                     tensors[s.name] = buffers[s.name] if step else torch.full(box.sizes, -7.0).to(full[s.name].dtype)
         if role == "dst" and step == 0:

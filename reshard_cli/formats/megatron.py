@@ -421,7 +421,7 @@ def _strip(name: str) -> str:
     return name
 
 
-def bind(params: dict, layout, rank: int) -> dict:
+def bind(params: dict, layout, rank: int, casts: list | None = None) -> dict:
     """This rank's checkpoint tensors as views into a live Megatron model's parameters (`named_parameters()`,
     wrappers' `module.` prefixes allowed; the local or the transformer-engine layer spec, grouped-GEMM experts
     `linear_fc1.weightK` included), keyed by checkpoint name: a tensor, or `Fragments` where a box is
@@ -429,7 +429,8 @@ def bind(params: dict, layout, rank: int) -> dict:
     every parameter of the model must be covered; otherwise one ConfigError names the tensor and the
     mismatch (heads, groups, vocab padding, expert count and pipeline split all show up here). A parameter
     kept in another floating-point type than the checkpoint's (Megatron keeps norms in fp32) is cast: a copy
-    of that tensor only, made at each bind (each refit), so it always carries the current values."""
+    of that tensor only, made at each bind; with `casts` given, (copy, parameter) pairs are appended to it so
+    that a caller keeping the binding between refits can refresh the copies (`copy.copy_(parameter)`)."""
     import torch
 
     from reshard_cli.transfer.shards import Fragments
@@ -448,7 +449,10 @@ def bind(params: dict, layout, rank: int) -> dict:
         want = getattr(torch, et.dtype)
         if tuple(data.shape) == et.shape and data.dtype != want and data.is_floating_point() \
                 and want.is_floating_point:
-            data = data.to(want)  # kept in another float type (Megatron's fp32 norms): cast, this tensor only
+            cast = data.to(want)  # kept in another float type (Megatron's fp32 norms): cast, this tensor only
+            if casts is not None:
+                casts.append((cast, data))
+            data = cast
         if tuple(data.shape) != et.shape or str(data.dtype).removeprefix("torch.") != et.dtype:
             raise ConfigError(f"rank {rank}: Megatron parameter {et.name} is {list(data.shape)} "
                               f"{str(data.dtype).removeprefix('torch.')}, the layout expects {list(et.shape)} "

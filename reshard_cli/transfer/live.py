@@ -70,6 +70,8 @@ class Refit:
         self.device = torch.device(device) if device is not None else None
         self.plan: Plan | None = None
         self.engine: Engine | None = None
+        self._bound: tuple | None = None  # what the engine's shards are views of (see `_rebind`)
+        self._casts: list = []  # (converted copy, parameter) made at binding, refreshed at every refit
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], *, verify_checksums: bool = False) -> RefitStats:
         if self.engine is None:
@@ -135,6 +137,7 @@ class Refit:
                                      torch.device("cpu"))
         self.engine = Engine(self.plan, self.rank, src_shards, dst_shards, options=self.options, device=device,
                              comm=self.comm)
+        self._bound = _storage_of(tensors)
         self.engine.setup_groups()
 
     def _shards(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -148,7 +151,7 @@ class Refit:
             held_names = (man.tensors[t].name for t, _ in layout.held(self.rank))
             if layout.format == "megatron" and role == "src" and any(n not in tensors for n in held_names):
                 from reshard_cli.formats import megatron
-                tensors = {**tensors, **megatron.bind(tensors, layout, self.rank)}  # Megatron's own parameters
+                tensors = {**tensors, **megatron.bind(tensors, layout, self.rank, self._casts)}  # Megatron's names
             for t, box in layout.held(self.rank):
                 spec = man.tensors[t]
                 if spec.name not in tensors:
@@ -166,8 +169,18 @@ class Refit:
 
     def _rebind(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Later refits: same plan, the tensors passed on this call. Destination buffers may be new storage
-        (an engine that re-materializes its weights for each update); they are checked like the first ones."""
+        (an engine that re-materializes its weights for each update); they are checked like the first ones.
+        When every tensor is the same storage, shape and strides as last time (a trainer updating its
+        parameters in place), the binding and the engine's views are kept; only converted copies are
+        refreshed with the current values."""
+        bound = _storage_of(tensors)
+        if bound == self._bound:
+            for copy, param in self._casts:
+                copy.copy_(param)
+            return
+        self._casts = []
         self.engine.src_shards, self.engine.dst_shards = self._shards(tensors)
+        self._bound = bound
 
     def _verify(self) -> bool:
         """Checksums: each destination shard against the sources' checksum of the same box (collective)."""
@@ -186,6 +199,16 @@ def _as_layout(x) -> Layout | None:
     if x is None or isinstance(x, Layout):
         return x
     return load_layout(x)
+
+
+def _storage_of(tensors: Mapping[str, torch.Tensor]) -> tuple:
+    """Where every passed tensor's data lives: equal between two calls exactly when the same names are views
+    of the same memory with the same shapes, strides and dtypes."""
+    out = []
+    for name, x in tensors.items():
+        x = _local(x)
+        out.append((name, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device))
+    return tuple(out)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ def test_bench_demo_pair_end_to_end(tmp_path):
     for key in ("name", "bytes", "link_limit_gbps"):
         assert key in case
     assert case["bytes"] > 0 and case["link_limit_gbps"] > 0
-    assert set(case["modes"]) == {"reshard", "hybrid", "broadcast", "dcp"}
+    assert set(case["modes"]) == {"auto", "reshard", "hybrid", "broadcast", "live", "dcp"}
     for mode, v in case["modes"].items():
         for key in MODE_KEYS:
             assert key in v, (mode, key)

@@ -8,9 +8,13 @@ after one warm-up, every run between barriers and taken as the slowest rank:
               isend/irecv with no packing and no phase ordering: the best this plan's traffic pattern can do
               over this backend. Its GB/s is in model bytes, like every mode's, so mode GB/s / link GB/s is
               the fraction of the best possible.
+  auto        Engine over Plan(mode="auto"), the default: per class of tensors the path the cost model
+              predicts cheaper
   reshard     Engine over Plan(mode="reshard")
   hybrid      Engine over Plan(mode="hybrid")
   broadcast   Engine over Plan(mode="broadcast") (gather on one trainer rank, broadcast to every inference rank)
+  live        the live API: `Refit(role, src=, dst=)` called with this rank's tensors, as a trainer calls it
+              after every step (mode auto; its shape checks, rebinding and barriers included)
   dcp         torch.distributed.checkpoint: save DTensors in the source layout, load DTensors in the
               destination layout, through a temporary directory (save + load timed together)
 

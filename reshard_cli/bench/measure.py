@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from reshard_cli.bench import report
 from reshard_cli.bench.dcp import DcpRun
-from reshard_cli.bench.suite import ENGINE_MODES, MODES, BenchOptions, Case, Suite, case_named, resolve, \
+from reshard_cli.bench.suite import ENGINE_MODES, LIVE_MODE, MODES, BenchOptions, Case, Suite, case_named, resolve, \
     sweep_cases, world_needed
 from reshard_cli.transfer import launcher
 
@@ -117,7 +117,15 @@ def run_case(case: Case, opts: BenchOptions, rank: int, device: torch.device,
         measures.append(Measure(m, lambda eng=eng: (eng.run_reshard(), eng.run_broadcast()),
                                 prepare=lambda: fill_sentinel(dst_shards.values()),
                                 check=lambda: expected.wrong(dst_data)))
-    # 5. torch.distributed.checkpoint: save in the source layout, load in the destination layout
+    # 6. the live API: a `Refit` over the same shards, called as a trainer calls it after each step
+    from reshard_cli.transfer.live import Refit
+    role = "src" if rank in src_l.ranks else "dst" if rank in dst_l.ranks else "idle"
+    live = Refit(role, src=src_l, dst=dst_l, topology=topo, mode=LIVE_MODE, bucket_mb=case.bucket_mb,
+                 reshard_match=match, device=device)
+    live_tensors = {man[t].name: sh.data for t, sh in (*src_shards.items(), *dst_shards.items())}
+    measures.append(Measure("live", lambda: live(live_tensors), prepare=lambda: fill_sentinel(dst_shards.values()),
+                            check=lambda: expected.wrong(dst_data)))
+    # 7. torch.distributed.checkpoint: save in the source layout, load in the destination layout
     dcp_run = DcpRun(src_l, dst_l, rank, src_shards, dst_shards, expected, device, opts.dcp_dir)
     measures.append(Measure("dcp", dcp_run.run, prepare=dcp_run.prepare, check=dcp_run.check))
     try:
@@ -130,6 +138,7 @@ def run_case(case: Case, opts: BenchOptions, rank: int, device: torch.device,
     wrong = torch.tensor([m.wrong for m in measures if m.name != "link"], dtype=torch.int64)
     dist.all_reduce(wrong, op=dist.ReduceOp.SUM)  # per run: wrong elements over all ranks
     staging = {m: launcher.allreduce_int(engines[m].peak_staging_bytes) for m in ENGINE_MODES}
+    staging["live"] = launcher.allreduce_int(live.engine.peak_staging_bytes if live.engine else 0)
     dcp_doc = dcp_run.figures()
     link_bytes = launcher.allreduce_int(link.sent_bytes, dist.ReduceOp.SUM)
     if rank != 0:
@@ -143,8 +152,9 @@ def run_case(case: Case, opts: BenchOptions, rank: int, device: torch.device,
         sec = _median(per[m])
         modes[m] = {"seconds": sec, "times": per[m], "gbps": nbytes / sec / 1e9 if sec else 0.0,
                     "wrong": worst[m]}
-        if m in ENGINE_MODES:
-            modes[m].update(wire_bytes=plans[m].stats()["wire_bytes"], peak_staging_bytes=staging[m])
+        if m in ENGINE_MODES or m == "live":
+            plan = plans[m if m in ENGINE_MODES else LIVE_MODE]
+            modes[m].update(wire_bytes=plan.stats()["wire_bytes"], peak_staging_bytes=staging[m])
         else:
             modes[m].update(dcp_doc)
     t_link = _median(per["link"])

@@ -62,13 +62,19 @@ def case_table(case: dict) -> str:
                                           "vs dcp", "of link"], rows, indent="    ")])
 
 
+def present(items: list[dict]) -> list[str]:
+    """The modes every case or sweep point has, in MODES order (a JSON written by another version may lack some)."""
+    return [m for m in MODES if all(m in x["modes"] for x in items)]
+
+
 def sweep_table(points: list[dict]) -> str:
+    modes = present(points)
     rows = []
     for p in points:
         row = [f"x{p['scale']}", fmt_bytes(p["bytes"]), f"{ms(p['link_limit_seconds'])} / {p['link_limit_gbps']:.2f}"]
-        row += [f"{ms(p['modes'][m]['seconds'])} / {p['modes'][m]['gbps']:.2f}" for m in MODES]
+        row += [f"{ms(p['modes'][m]['seconds'])} / {p['modes'][m]['gbps']:.2f}" for m in modes]
         rows.append(row)
-    return table(["scale", "bytes", "link ms / GB/s"] + [f"{m} ms / GB/s" for m in MODES], rows, indent="    ")
+    return table(["scale", "bytes", "link ms / GB/s"] + [f"{m} ms / GB/s" for m in modes], rows, indent="    ")
 
 
 def plan_table(rows: list[dict]) -> str:
@@ -107,7 +113,7 @@ def _growth_text(points: list[dict]) -> str:
     a, b = points[0], points[-1]
     k = b["bytes"] / a["bytes"] if a["bytes"] else 0
     parts = []
-    for m in MODES:
+    for m in present(points):
         ta, tb = a["modes"][m]["seconds"], b["modes"][m]["seconds"]
         parts.append(f"{m} {tb / ta:.1f}x" if ta else f"{m} -")
     return f"time growth for {k:.1f}x the bytes: " + ", ".join(parts)
@@ -133,9 +139,10 @@ def write_plot(doc: dict, path: Path) -> None:
     cases = doc["cases"]
     panels = 3 if doc.get("sweep") else 2
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
-    width = 0.8 / len(MODES)
+    modes = present(cases)
+    width = 0.8 / len(modes)
     xs = range(len(cases))
-    for j, m in enumerate(MODES):
+    for j, m in enumerate(modes):
         off = [x - 0.4 + width * (j + 0.5) for x in xs]
         axes[0].bar(off, [c["modes"][m]["seconds"] * 1e3 for c in cases], width, label=m)
         axes[1].bar(off, [c["modes"][m]["gbps"] for c in cases], width, label=m)
@@ -152,7 +159,7 @@ def write_plot(doc: dict, path: Path) -> None:
         ax = axes[2]
         by = [p["bytes"] / 1e6 for p in pts]
         ax.plot(by, [p["link_limit_seconds"] * 1e3 for p in pts], "k--", label="link limit")
-        for m in MODES:
+        for m in present(pts):
             ax.plot(by, [p["modes"][m]["seconds"] * 1e3 for p in pts], "o-", label=m)
         ax.set_xscale("log")
         ax.set_yscale("log")

@@ -13,8 +13,9 @@ from typing import Any
 from reshard_cli.errors import ConfigError
 from reshard_cli.transfer.launcher import JobOptions
 
-MODES = ("reshard", "hybrid", "broadcast", "dcp")  # every case is timed in each, after the link limit
-ENGINE_MODES = ("reshard", "hybrid", "broadcast")
+MODES = ("auto", "reshard", "hybrid", "broadcast", "live", "dcp")  # every case is timed in each, after the link limit
+ENGINE_MODES = ("auto", "reshard", "hybrid", "broadcast")
+LIVE_MODE = "auto"  # the plan the live API (`Refit`) runs in bench: its default
 CASE_KEYS = ("name", "src", "dst", "scale", "bucket_mb", "topology", "reshard_match")
 SUITE_KEYS = ("name", "description", "cases", "sweep")
 

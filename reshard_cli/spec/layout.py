@@ -148,6 +148,8 @@ class Layout:
     def in_order_of(self, manifest: Manifest) -> "Layout":
         """This layout with its tensors (and their placements) in `manifest`'s order, which must list the same
         names: a plan pairs the two layouts' tensors by position."""
+        if manifest is self.manifest:
+            return self
         names = [t.name for t in manifest.tensors]
         if names == [t.name for t in self.manifest.tensors]:
             return self
@@ -238,7 +240,7 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
     meshes = {m: Mesh(m, dims, shape, ranks) for m, (dims, shape) in shapes.items()}
     all_dims = {d for m in meshes.values() for d in m.dims}
 
-    layers = [_int_match(LAYER_RE, t.name) for t in manifest.tensors]
+    layers, experts_seen, shapes_of = _tensor_indices(manifest)
     num_layers = max((x for x in layers if x is not None), default=-1) + 1
     pipeline, stage_of_layer = _parse_pipeline(doc, file, meshes, all_dims, num_layers)
     experts, expert_order = _parse_experts(doc, file, all_dims)
@@ -250,18 +252,17 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
     placements: list[Placement] = []
     used = [False] * len(rules)
     default_mesh = next(iter(meshes.values()))
-    experts_seen = [_int_match(EXPERT_RE, t.name) for t in manifest.tensors]
     num_experts = max((e for e in experts_seen if e is not None), default=-1) + 1
-    for ti, t in enumerate(manifest.tensors):
-        rule = next((r for r in rules if r.pattern.search(t.name)), None)
-        layer, e = layers[ti], experts_seen[ti]
+    rule_of = _rule_matcher(rules, manifest)
+    for ti, (t, layer, e) in enumerate(zip(manifest.tensors, layers, experts_seen)):
+        rule = rule_of(ti)
         if pipeline is None:
             stage_key = None
         elif layer is not None:
             stage_key = stage_of_layer[layer]
         else:
             stage_key = "first" if FIRST_STAGE_RE.search(t.name) else "last"
-        key = (rule.index if rule else -1, len(t.shape), stage_key, e if experts else None)
+        key = (rule.index if rule else -1, shapes_of[ti], stage_key, e if experts else None)
         p = resolved.get(key)
         if p is None:
             p = resolved[key] = _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e,
@@ -271,7 +272,8 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
         placements.append(p)
     # intern equal placements (e.g. the same stage reached through different layers)
     interned: dict[tuple, Placement] = {}
-    placements = [interned.setdefault((p.mesh.name, p.shard, p.fixed, p.pad), p) for p in placements]
+    canon = {id(p): interned.setdefault((p.mesh.name, p.shard, p.fixed, p.pad), p) for p in resolved.values()}
+    placements = [canon[id(p)] for p in placements]
     for r, u in zip(rules, used):
         if not u and not generated:
             raise ConfigError(f"rule matches no tensor of model {manifest.name!r}", file=file,
@@ -475,6 +477,73 @@ def _parse_rules(doc, file, meshes) -> list[Rule]:
 
 def _rule_key(rule: Rule | None) -> str:
     return f"placements[{rule.index}]" if rule else "placements"
+
+
+# Per manifest (both layouts of a pair share one): (layer index, expert index, ndim) of every tensor, and the
+# tensor names with every digit made '0' (see `_rule_matcher`). Keyed by id, with the manifest kept alive.
+_INDICES: dict[int, tuple] = {}
+_DIGITS = bytes.maketrans(b"123456789", b"000000000")  # on UTF-8 bytes: only ASCII digits are bytes 0x31-0x39
+
+
+def _tensor_indices(manifest: Manifest) -> tuple[list, list, list]:
+    hit = _INDICES.get(id(manifest))
+    if hit is None or hit[0] is not manifest:
+        names = [t.name for t in manifest.tensors]
+        hit = (manifest, [_index_after("layers.", n) if "layers." in n else None for n in names],
+               [_index_after("experts.", n) if "experts." in n else None for n in names],
+               [len(t.shape) for t in manifest.tensors], None)
+        if len(_INDICES) > 8:
+            _INDICES.clear()
+        _INDICES[id(manifest)] = hit
+    return hit[1], hit[2], hit[3]
+
+
+def _digitless_names(manifest: Manifest) -> list[bytes]:
+    """Every name, UTF-8 encoded, with each ASCII digit made '0' (lengths kept, so `\\d\\d` still counts)."""
+    hit = _INDICES[id(manifest)]  # filled by _tensor_indices
+    if hit[4] is None:
+        hit = _INDICES[id(manifest)] = (*hit[:4], [t.name.encode().translate(_DIGITS) for t in manifest.tensors])
+    return hit[4]
+
+
+def _rule_matcher(rules: list, manifest: Manifest):
+    """tensor index -> the first rule whose pattern matches its name (or None).
+
+    Names differ mostly in layer and expert numbers, and a pattern without a digit (and without a named
+    back-reference) cannot tell one digit from another, so such rules match a name exactly when they match
+    it with every digit made '0' (a pattern with a digit, a named back-reference or a \\N{...} escape turns
+    this off): one search per distinct digitless name instead of one per tensor."""
+    names = [t.name for t in manifest.tensors]
+    if any(any(ch.isdigit() for ch in r.pattern.pattern) or "(?P=" in r.pattern.pattern or "\\N{" in r.pattern.pattern
+           for r in rules):
+        return lambda ti: next((r for r in rules if r.pattern.search(names[ti])), None)
+    digitless = _digitless_names(manifest)
+    memo: dict[bytes, Rule | None] = {}
+
+    def rule_of(ti: int) -> Rule | None:
+        key = digitless[ti]
+        if key in memo:
+            return memo[key]
+        name = key.decode()
+        r = memo[key] = next((r for r in rules if r.pattern.search(name)), None)
+        return r
+
+    return rule_of
+
+
+def _index_after(word: str, name: str) -> int | None:
+    """The number N of the first `word.N.` in `name` that starts the name or follows a '.' — what
+    `(?:^|\\.)word\\.(\\d+)\\.` finds (LAYER_RE, EXPERT_RE), without a regex search per tensor."""
+    at = name.find(word)
+    while at >= 0:
+        if at == 0 or name[at - 1] == ".":
+            i = j = at + len(word)
+            while j < len(name) and name[j].isdecimal():
+                j += 1
+            if j > i and j < len(name) and name[j] == ".":
+                return int(name[i:j])
+        at = name.find(word, at + 1)
+    return None
 
 
 def _int_match(rx: re.Pattern, name: str) -> int | None:

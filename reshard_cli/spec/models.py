@@ -13,6 +13,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,7 +62,7 @@ class TensorSpec:
     dtype: str
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "shape", tuple(map(int, self.shape)))
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"{self.name}: dtype {self.dtype!r} is not canonical (use normalize_dtype)")
 
@@ -96,11 +97,11 @@ class Manifest:
                 raise ValueError(f"{self.name}: tensor {t.name!r} is listed twice")
         object.__setattr__(self, "_positions", positions)
 
-    @property
+    @cached_property
     def params(self) -> int:
         return sum(t.numel for t in self.tensors)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
@@ -117,6 +118,8 @@ class Manifest:
 
         When there are more differences a last line says how many were left out.
         """
+        if other is self:  # both layouts of a pair usually share one (cached) manifest
+            return []
         lines: list[str] = []
         for t in self.tensors:
             o = other.get(t.name)
@@ -274,6 +277,9 @@ class _Config:
         return hidden // heads
 
 
+_new_spec, _set = object.__new__, object.__setattr__
+
+
 class _Builder:
     """Collects TensorSpecs in order, all in the default dtype unless told otherwise."""
 
@@ -281,7 +287,12 @@ class _Builder:
         self.dtype, self.force, self.specs = dtype, force, []
 
     def add(self, name: str, *shape: int, dtype: str | None = None) -> None:
-        self.specs.append(TensorSpec(name, shape, self.dtype if self.force or dtype is None else dtype))
+        # shapes come from _Config.size (checked ints) and dtypes are canonical: skip TensorSpec's checks
+        spec = _new_spec(TensorSpec)
+        _set(spec, "name", name)
+        _set(spec, "shape", shape)
+        _set(spec, "dtype", self.dtype if self.force or dtype is None else dtype)
+        self.specs.append(spec)
 
     def mlp(self, prefix: str, hidden: int, inter: int, names: str = "gate_proj up_proj down_proj") -> None:
         """A gated MLP: gate and up [inter, hidden], then down [hidden, inter]."""

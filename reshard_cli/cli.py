@@ -30,7 +30,11 @@ SrcOpt = typer.Option(..., "--src", help="Trainer (source) layout: a YAML path o
 DstOpt = typer.Option(..., "--dst", help="Inference (destination) layout: a YAML path or a bundled name.")
 TopoOpt = typer.Option(None, "--topology", help="Topology YAML or bundled name (dgx-h100, gb200-nvl72): which "
                                                 "ranks share an NVLink domain.")
-ModeOpt = typer.Option("hybrid", "--mode", help="reshard | broadcast | hybrid (FFN/expert weights by reshard).")
+ModeOpt = typer.Option("auto", "--mode", help="auto | reshard | broadcast | hybrid. auto: per tensor class, the "
+                                               "route the cost model predicts cheapest from the topology's links "
+                                               "(reshard with or without in-domain forwarding, or broadcast; "
+                                               "reshard with forwarding without link figures); hybrid: FFN/expert "
+                                               "weights by reshard, the rest by broadcast.")
 MatchOpt = typer.Option(None, "--reshard-match", help="Regex of tensors that take the reshard path in hybrid mode.")
 ScaleOpt = typer.Option(1, "--scale", min=1, help="Grow a bundled model's FFN/expert widths N-fold (benchmarks).")
 
@@ -50,6 +54,13 @@ def plan(
     scale: int = ScaleOpt,
 ):
     """Show what a refit between two layouts moves, and what it costs, before any GPU is touched."""
+    from reshard_cli.plan.planner import no_gc
+
+    with no_gc():  # millions of small acyclic objects: the collector's full passes would only cost time
+        _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, scale)
+
+
+def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, scale) -> None:
     import time
 
     from reshard_cli.plan.planner import Plan
@@ -275,7 +286,7 @@ def bench(
     dcp_dir: Optional[Path] = typer.Option(None, "--dcp-dir", help="Where DCP checkpoints go (shared by all nodes)."),
     scale: int = ScaleOpt,
 ):
-    """Time link limit, reshard, hybrid, broadcast and torch.distributed.checkpoint on the same processes."""
+    """Time link limit, auto, reshard, hybrid, broadcast, the live API and torch.distributed.checkpoint on the same processes."""
     from reshard_cli import bench as bench_mod
 
     bench_mod.main(bench_mod.BenchOptions(

@@ -46,6 +46,7 @@ def plan_text(s: dict) -> str:
         f"  model         {fmt_count(s['params'])} params in {s['tensors']} tensors, {fmt_bytes(s['bytes'])}",
         f"  paths         reshard {fmt_bytes(s['paths']['reshard'])} ({pct(s['paths']['reshard'], s['bytes'])}), "
         f"broadcast {fmt_bytes(s['paths']['broadcast'])} ({pct(s['paths']['broadcast'], s['bytes'])})",
+        *_route_lines(s),
         f"  network wire  {fmt_bytes(s['wire_bytes'])}   minimum {fmt_bytes(s['min_wire_bytes'])}"
         f" ({_ratio(s['wire_bytes'], s['min_wire_bytes'])} of it)   gather->broadcast "
         f"{fmt_bytes(s['broadcast_wire_bytes'])} ({_ratio(s['broadcast_wire_bytes'], s['wire_bytes'])} of this plan)",
@@ -63,6 +64,20 @@ def plan_text(s: dict) -> str:
                 v["pieces"]] for p, v in s["path_stats"].items()]),
     ]
     return "\n".join(lines)
+
+
+def _route_lines(s: dict) -> list[str]:
+    """Mode auto: which route each class of tensors took (forward / direct: the reshard path), and why."""
+    routes = s.get("routes")
+    if not routes:
+        return []
+    parts = []
+    for r, v in routes.items():
+        if v["tensors"]:
+            parts.append(f"{r} {fmt_bytes(v['bytes'])} ({pct(v['bytes'], s['bytes'])}, {v['tensors']} tensors in "
+                         f"{v['classes']} class{'es' if v['classes'] != 1 else ''})")
+    return [f"  auto routes   {', '.join(parts) or 'nothing to move'}",
+            f"                {s.get('routes_by', '')}".rstrip()]
 
 
 def _engine_lines(e: dict | None) -> list[str]:
@@ -92,8 +107,15 @@ def _over(actual: float, ideal: float) -> str:
 
 
 def write_json(path: str | Path, doc: dict) -> None:
-    """Write atomically (temp file + rename) so a reader never sees half a file."""
-    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+    """Write atomically (temp file + rename) so a reader never sees half a file; a path that exists and is not
+    a regular file (/dev/null, /dev/stdout, a pipe) is written in place: renaming over it would replace it."""
+    text = json.dumps(doc, indent=1) + "\n"
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        with open(path, "w") as f:
+            f.write(text)
+        return
+    atomic_write_text(path, text)
 
 
 def write_json_option(option: str, path: str | Path, doc: dict) -> None:
@@ -138,7 +160,10 @@ def write_pieces(path: str | Path, plan, pieces: Iterable, bcasts: Iterable) -> 
                 n += 1
 
     try:
-        atomic_write(path, write)
+        if path.exists() and not path.is_file():  # /dev/null, a pipe: write in place, never rename over it
+            write(str(path))
+        else:
+            atomic_write(path, write)
     except OSError as e:
         raise ConfigError(f"cannot write {path}: {e.strerror or e}", key="--pieces") from None
     return n

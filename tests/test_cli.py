@@ -48,7 +48,8 @@ def runs(files):
     """The commands run as a user runs them, once each and concurrently (each is a Python start-up)."""
     d, base = files, ("plan", "--src", TRAIN, "--dst", INFER)
     cases = {
-        "plan": (*base, "--json", d / "plan.json", "--pieces", d / "pieces.jsonl.gz"),
+        "plan": (*base, "--mode", "hybrid", "--json", d / "plan.json", "--pieces", d / "pieces.jsonl.gz"),
+        "default": (*base, "--topology", DGX, "--json", d / "default.json"),
         "reshard": (*base, "--mode", "reshard", "--json", d / "reshard.json"),
         "topology": (*base, "--topology", DGX, "--json", d / "topo.json"),
         "rank": (*base, "--rank", 2, "--json", d / "rank.json"),
@@ -123,6 +124,21 @@ def test_plan_pieces_stream(runs, files):
     # the pieces of the reshard path cover the reshard-path bytes exactly (no topology: no forwards)
     elems = sum(int(torch.tensor(x[6]).prod()) if x[6] else 1 for x in pieces)
     assert elems * 2 == doc["paths"]["reshard"]  # bf16
+
+
+def test_default_mode_is_auto(runs, files):
+    """No --mode: auto, which says which route each class of tensors took (and, with a topology's links, what
+    each mode would cost beside it)."""
+    proc = ok(runs["default"])
+    assert "mode auto" in proc.stdout
+    routes = next(line for line in proc.stdout.splitlines() if line.startswith("  auto routes   "))
+    assert "forward" in routes and "tensors in" in routes
+    doc = json.loads((files / "default.json").read_text())
+    assert doc["mode"] == "auto"
+    assert set(doc["routes"]) == {"forward", "direct", "broadcast"}
+    assert sum(v["tensors"] for v in doc["routes"].values()) == doc["tensors"]
+    assert sum(v["bytes"] for v in doc["routes"].values()) == doc["bytes"]
+    assert doc["predicted_seconds"]["auto"] <= min(doc["predicted_seconds"][m] for m in ("reshard", "broadcast"))
 
 
 def test_reshard_mode_moves_the_minimum(runs, files):

@@ -103,7 +103,7 @@ def test_rank_bytes_agree_with_the_plan(qwen30):
     plan = Plan(src, dst, load_topology(ROOT / TOPOLOGIES[0]), mode="reshard")
     st = plan.stats()
     model = cost._Model(plan, cost.links_of(plan.topology)[0], cost.DEFAULT_BUCKET_BYTES)
-    per = model.reshard_loads(model.split_paths(plan.paths)[0])
+    per = model.reshard_loads(plan.routes)
     for r, v in st["rank_bytes"].items():
         assert (per[cost.NET][0][r], per[cost.NET][1][r]) == (v["send"], v["recv"]), r
     assert per[cost.NET][1].sum() == st["wire_bytes"] == st["min_wire_bytes"]
@@ -173,6 +173,25 @@ def test_lower_bound_below_every_mode(pair, topology):
     assert pred.modes["reshard"].network_s >= pred.bound.ingress_s * (1 - 1e-9)
 
 
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=["dgx-h100", "gb200-nvl72"])
+@pytest.mark.parametrize("pair", BUNDLED, ids=lambda p: p[0].split("/")[-2])
+def test_auto_never_slower_than_a_fixed_mode(pair, topology):
+    """Mode auto's predicted seconds against the fixed modes' on every bundled pair and topology."""
+    pred = _predicted(pair, topology)
+    auto = pred.modes["auto"].seconds
+    assert auto <= pred.modes["reshard"].seconds, (auto, pred.modes["reshard"].seconds)
+    assert auto <= pred.modes["broadcast"].seconds, (auto, pred.modes["broadcast"].seconds)
+    assert auto <= pred.modes["hybrid"].seconds, (auto, pred.modes["hybrid"].seconds)
+    routes = pred.auto_routes
+    assert sum(r["tensors"] for r in routes.values()) == len(load_pair(*(ROOT / p for p in pair))[0].manifest.tensors)
+
+
+def test_deepseek_auto_within_1_2x_of_the_bound():
+    pred = _predicted(DEEPSEEK, TOPOLOGIES[0])
+    assert pred.modes["auto"].seconds <= 1.2 * pred.bound.seconds
+    assert pred.modes["auto"].seconds < pred.modes["hybrid"].seconds / 10  # the old default: 15x the bound
+
+
 def test_deepseek_reshard_within_1_5x_of_the_bound():
     pred = _predicted(DEEPSEEK, TOPOLOGIES[0])
     assert pred.bound.seconds > 0
@@ -195,7 +214,7 @@ def test_plan_json_keys(tmp_path):
     p = _reshard("plan", "--src", BUNDLED[0][0], "--dst", BUNDLED[0][1], "--topology", topo, "--json", out)
     assert p.returncode == 0, p.stderr
     assert "  predicted     pairs links:" in p.stdout
-    assert "  lower bound   " in p.stdout and "this plan     hybrid:" in p.stdout
+    assert "  lower bound   " in p.stdout and "this plan     auto:" in p.stdout  # auto: the default mode
     doc = json.loads(out.read_text())
     assert set(doc["predicted_seconds"]) == set(MODES)
     assert all(v > 0 for v in doc["predicted_seconds"].values())

@@ -7,7 +7,10 @@ from reshard_cli.spec.layout import load_pair
 from reshard_cli.plan.planner import Plan
 from reshard_cli.spec.topology import Topology
 
-TOPOLOGIES = [Topology(), Topology(name="pairs", ranks_per_domain=2), Topology(name="all", ranks_per_domain=64)]
+TOPOLOGIES = [Topology(), Topology(name="pairs", ranks_per_domain=2), Topology(name="all", ranks_per_domain=64),
+              # with link figures, so that mode auto weighs its routes (slow links: messages and bytes both count)
+              Topology(name="pairs-links", ranks_per_domain=2,
+                       links={"network_gbps": 1e-4, "nvlink_gbps": 1e-4, "latency_us": 10})]
 
 
 def check_coverage(plan: Plan):
@@ -35,18 +38,22 @@ def check_coverage(plan: Plan):
 
 
 @pytest.mark.parametrize("pair", sorted(PAIRS))
-@pytest.mark.parametrize("topo", TOPOLOGIES, ids=["none", "pairs", "one"])
-def test_pieces_cover_exactly(tmp_path, pair, topo):
+@pytest.mark.parametrize("topo", TOPOLOGIES, ids=["none", "pairs", "one", "pairs-links"])
+@pytest.mark.parametrize("mode", ["reshard", "auto"])
+def test_pieces_cover_exactly(tmp_path, pair, topo, mode):
     src, dst = load_pair(*write_pair(tmp_path, pair))
-    plan = Plan(src, dst, topo, mode="reshard")
+    plan = Plan(src, dst, topo, mode=mode)
     check_coverage(plan)
     stats = plan.stats()
-    assert stats["wire_bytes"] == stats["min_wire_bytes"]
-    # rank view == global plan restricted to the rank
+    if mode == "reshard" or not topo.links:  # auto without link figures is reshard (forward everywhere)
+        assert stats["wire_bytes"] == stats["min_wire_bytes"]
+    # rank view == global plan restricted to the rank (a fresh plan per rank, as in `reshard run`)
     everything = list(plan.pieces())
+    bcasts = [b for b in plan.bcasts() if b.root >= 0]
     for r in src.ranks + dst.ranks:
-        view = plan.rank_view(r).pieces
-        assert sorted(view) == sorted(p for p in everything if r in (p.src, p.dst))
+        view = Plan(src, dst, topo, mode=mode).rank_view(r)
+        assert sorted(view.pieces) == sorted(p for p in everything if r in (p.src, p.dst))
+        assert view.bcasts == [b for b in bcasts if r in dst.ranks or r == b.root or any(s == r for s, _ in b.gather)]
 
 
 @pytest.mark.parametrize("pair", sorted(PAIRS))

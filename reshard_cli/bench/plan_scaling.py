@@ -39,11 +39,12 @@ def plan_scaling(say: Callable[[str], None] | None = None) -> list[dict]:
 def _time_plan(name: str, src: Path | str, dst: Path | str, mode: str = "reshard") -> dict:
     from reshard_cli.spec import models
     from reshard_cli.spec.layout import load_pair
-    from reshard_cli.plan.planner import Plan
+    from reshard_cli.plan.planner import Plan, no_gc
 
     models._CACHE.clear()  # cold, as a fresh `reshard plan`
     t0 = time.perf_counter()
-    src_l, dst_l = load_pair(src, dst)
+    with no_gc():  # as `reshard plan` loads them (stats() pauses the collector itself)
+        src_l, dst_l = load_pair(src, dst)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     stats = Plan(src_l, dst_l, mode=mode).stats()

@@ -27,6 +27,19 @@ The model, path by path, as `transport.py` runs it:
   one NIC. The ring costs pack bytes / that bandwidth + (group size − 1) × latency (one message per hop to
   fill the pipeline). Pipelined: a pack's gather overlaps the previous pack's broadcast.
 * The reshard path runs first, then the broadcast path (`run.py`): paths add in both figures.
+* A tensor on the reshard path goes with forwarding (phase 0 + phase 1 as above) or **direct** (every
+  destination replica receives its whole box in phase 0: no forwards, more network bytes).
+
+**Mode auto** (`choose_routes`, `_Model.choose`): each tensor class takes the route — forward, direct or
+broadcast — under which this model predicts the whole refit fastest. It starts from forward everywhere (mode
+reshard) and visits the classes in a fixed order, moving a class to another route only where the predicted
+refit gets strictly faster, until a pass changes nothing; broadcast everywhere replaces the result if it is
+faster still. A class is weighed in the refit, not alone: alone, its time is mostly one message latency per
+pair of ranks, which the real refit shares with every other class in the same buckets (weighed alone,
+DeepSeek-V3 on dgx-h100 came out at 159 ms against reshard's 147 ms). Every figure compared is a sum of
+whole bytes (exact in float64 in any order) put through the same per-rank formula, so all ranks reach the
+same choice; the comparisons are strict, and new routes are tried in the order forward, direct, broadcast.
+So auto is never predicted slower than reshard or broadcast.
 
 **Network lower bound** (any plan, any transport, latency ignored): every destination domain must receive,
 from outside, the bytes its destination ranks hold that no source rank inside it holds (`min_wire`, per
@@ -45,17 +58,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
-from reshard_cli.plan.planner import MODES, Plan
+from reshard_cli.plan.planner import FWD, MODES, NET, NVL0, ROUTES, Plan, no_gc
 from reshard_cli.plan.schedule import PackFiller, TransferOptions, align
 from reshard_cli.spec.topology import NO_TOPOLOGY, Topology
 
 DEFAULT_BUCKET_BYTES = TransferOptions().bucket_bytes  # `reshard run --bucket-mb 64`
 GB = 1e9
 
-# kinds of reshard-path traffic
-NET, NVL0, FWD = 0, 1, 2
+
+
+_ROUTE_CODE = {"forward": 0, "direct": 1, "broadcast": 2}
 
 
 @dataclass(frozen=True)
@@ -156,8 +168,10 @@ class Prediction:
     bound: LowerBound
     plan_mode: str
     seconds: float  # time spent predicting
+    auto_routes: dict | None = None  # what auto chose: per route, classes, tensors and bytes
 
     def to_json(self) -> dict:
+        extra = {"auto_routes": self.auto_routes} if self.auto_routes is not None else {}
         return {
             "predicted_seconds": {m: c.seconds for m, c in self.modes.items()},
             "predicted_pipelined_seconds": {m: c.pipelined_seconds for m, c in self.modes.items()},
@@ -167,11 +181,128 @@ class Prediction:
                                      "latency_us": self.links.latency_us},
                            "modes": {m: c.to_json() for m, c in self.modes.items()},
                            "lower_bound": self.bound.to_json(),
-                           "predict_seconds": self.seconds},
+                           "predict_seconds": self.seconds, **extra},
         }
 
 
 # ---------------------------------------------------------------------------------------- the model
+
+
+class _Table:
+    """The entries of some tensor classes (with forwarding, or direct) as flat arrays: what the model sums.
+
+    Per class position `pos`: fixed rows (one possible sender) fs[pos] .. fs[pos] + fc[pos], rotating rows
+    rs[pos] .. rs[pos] + rc[pos]. A fixed row is a pair key (kind * world + sender) * world + receiver and its
+    elements; a rotating row is (kind * world * world + receiver, its senders' row in `stab`, its rotation key,
+    the number of senders L, its elements): tensor t's copy goes from stab[sid, (t + key) % L]. A phase-0
+    entry's senders are all inside the receiver's domain or all outside it, so its kind (network or NVLink)
+    does not depend on which one sends.
+    """
+
+    def __init__(self, classes: list, direct: bool, world: int):
+        np = _np()
+        w, ww = world, world * world
+        fsrc: list[int] = []
+        fdst: list[int] = []
+        fn: list[int] = []
+        fkind: list[int] = []
+        rsid: list[int] = []
+        rdst: list[int] = []
+        rn: list[int] = []
+        rkey: list[int] = []
+        rkind: list[int] = []
+        senders: list[tuple] = []
+        fs, fc, rs, rc, sbase = [], [], [], [], []
+        by_k: dict[int, tuple] = {}  # forward blocks by domain size k: (class positions, G rows, m rows)
+        for pos, c in enumerate(classes):
+            col = c.columns(direct)
+            for g, ms in col.blocks:
+                acc = by_k.get(len(g))
+                if acc is None:
+                    acc = by_k[len(g)] = ([], [], [])
+                acc[0].append(pos)
+                acc[1].append(g)
+                acc[2].append(ms)
+            fs.append(len(fsrc))
+            rs.append(len(rsid))
+            sbase.append(len(senders))
+            fc.append(len(col.fsrc))
+            rc.append(len(col.rsid))
+            fsrc += col.fsrc
+            fdst += col.fdst
+            fn += col.fn
+            fkind += col.fkind
+            rsid += col.rsid
+            rdst += col.rdst
+            rn += col.rn
+            rkey += col.rkey
+            rkind += col.rkind
+            senders += col.senders
+        i64, f64 = np.int64, np.float64
+        self.fs, self.fc, self.rs, self.rc = (np.array(x, dtype=i64) for x in (fs, fc, rs, rc))
+        self.fk = (np.array(fkind, dtype=i64) * ww + np.array(fsrc, dtype=i64) * w + np.array(fdst, dtype=i64))
+        self.fn = np.array(fn, dtype=f64)
+        self.rb = np.array(rkind, dtype=i64) * ww + np.array(rdst, dtype=i64)
+        # a rotating row's senders: its class's first senders row + its position among the class's
+        self.rsid = np.array(rsid, dtype=i64) + np.repeat(np.array(sbase, dtype=i64), self.rc)
+        self.rkey = np.array(rkey, dtype=i64)
+        self.rn = np.array(rn, dtype=f64)
+        lens = np.array([len(x) for x in senders] or [1], dtype=i64)
+        stab = np.zeros((max(len(senders), 1), int(lens.max())), dtype=i64)
+        for j, x in enumerate(senders):
+            stab[j, :len(x)] = x
+        self.stab = stab
+        self.rl = lens[self.rsid] if len(self.rsid) else np.zeros(0, dtype=i64)
+        self.world = world
+        # forwards: G[j] -> G[g] (g != j) carries m_j, expanded per block and kept by class position
+        keys, vals, owner = [np.zeros(0, dtype=i64)], [np.zeros(0, dtype=f64)], [np.zeros(0, dtype=i64)]
+        for k, (cpos, gs, mss) in by_k.items():
+            g = np.array(gs, dtype=i64)  # blocks x k
+            m = np.array(mss, dtype=f64)
+            kk = FWD * ww + g[:, :, None] * w + g[:, None, :]  # blocks x j x g
+            vv = np.broadcast_to(m[:, :, None], kk.shape)
+            keep = (~np.eye(k, dtype=bool))[None, :, :] & (vv > 0)
+            keys.append(kk[keep])
+            vals.append(vv[keep])
+            owner.append(np.repeat(np.array(cpos, dtype=i64), keep.reshape(len(gs), -1).sum(axis=1)))
+        owner_a = np.concatenate(owner)
+        order = np.argsort(owner_a, kind="stable")
+        self.bk, self.bn = np.concatenate(keys)[order], np.concatenate(vals)[order]
+        bcount = np.bincount(owner_a, minlength=len(classes)).astype(i64)
+        self.bc = bcount
+        self.bs = np.cumsum(bcount) - bcount
+
+    def rows(self, pos, gid, total, rpos, rgid, res, wts) -> tuple:
+        """Pair keys, bytes and group id of every row of some tensors: per (class position `pos`, group `gid`),
+        `total` Σ item bytes of its tensors (for the fixed rows); per (class position `rpos`, group `rgid`,
+        rotation residue `res`), `wts` Σ item bytes of its tensors at that residue (for the rotating rows)."""
+        np = _np()
+        keys, vals, gids = [], [], []
+        for start, count, k, n in ((self.fs, self.fc, self.fk, self.fn), (self.bs, self.bc, self.bk, self.bn)):
+            cnt = count[pos]
+            idx = _ranges(start[pos], cnt)
+            keys.append(k[idx])
+            vals.append(n[idx] * np.repeat(total, cnt))
+            gids.append(np.repeat(gid, cnt))
+        cnt = self.rc[rpos]
+        if cnt.sum():
+            idx = _ranges(self.rs[rpos], cnt)
+            pick = (np.repeat(res, cnt) + self.rkey[idx]) % self.rl[idx]
+            sender = self.stab[self.rsid[idx], pick]
+            keys.append(self.rb[idx] + sender * self.world)
+            vals.append(self.rn[idx] * np.repeat(wts, cnt))
+            gids.append(np.repeat(rgid, cnt))
+        return np.concatenate(keys), np.concatenate(vals), np.concatenate(gids)
+
+
+def _ranges(starts, counts):
+    """Concatenated aranges starts[i] .. starts[i] + counts[i]."""
+    np = _np()
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(starts - offsets, counts) + np.arange(total, dtype=np.int64)
 
 
 class _Model:
@@ -182,86 +313,101 @@ class _Model:
         self.links = links
         self.half = TransferOptions(bucket_bytes=bucket_bytes).half
         self.dom = plan.domains
-        tensors = plan.src.manifest.tensors
-        self.items = [s.itemsize for s in tensors]
+        self.items = plan.itemsizes()
         # tensor -> class index; per class: the class, its reshard period n, broadcast period bn, numel
-        self.cls: list = []
-        self.cid: list[int] = []
-        index: dict[int, int] = {}
-        for t in range(len(tensors)):
-            c = plan.tensor_class(t)
-            i = index.get(id(c))
-            if i is None:
-                i = index[id(c)] = len(self.cls)
-                self.cls.append(c)
-            self.cid.append(i)
-        self.n_of = [c.n for c in self.cls]
+        self.cls, self.cid = plan.class_index()
+        self._n_of: list | None = None
         self.bn_of = [c.bn for c in self.cls]
-        self.numel_of = [math.prod(c.shape) if c.src_boxes else 0 for c in self.cls]
+        self.numel_of = [c.numel if c.src_boxes else 0 for c in self.cls]
         self.world = max(max(plan.src.ranks), max(plan.dst.ranks)) + 1
-        self._split: dict = {}
+        self._tables: dict[bool, tuple] = {}
         self._gather: dict = {}
         self._ring: dict = {}
+        self._by_class: list | None = None
+        self._cache_arrays: tuple | None = None
+        self.choice: RouteChoice | None = None  # auto's, once chosen
+        self._saved: dict[tuple, tuple] = {}  # per-class routes -> per (kind, rank) loads (`choose`)
+
+    @property
+    def n_of(self) -> list[int]:
+        """Each class's rotation period."""
+        if self._n_of is None:
+            self.table(False)  # walks every class's geometry on the way
+            self._n_of = [c.n for c in self.cls]
+        return self._n_of
 
     # ---- reshard path
-    def _class_split(self, c) -> tuple:
-        """A class's entries as arrays: (fixed pair keys, their elements, {L: rotating entries}).
-
-        Pair keys are ints (kind * world + sender) * world + receiver. Entries with one possible sender are
-        fixed; the others rotate over their L senders: entry k goes from senders[(t + key_k) % L]. A phase-0
-        entry's senders are all inside the receiver's domain or all outside it, so its kind (network or
-        NVLink) does not depend on which one sends.
-        """
-        out = self._split.get(id(c))
+    def table(self, direct: bool) -> tuple:
+        """(the `_Table` of the classes whose entries differ with `direct`, class index -> its position)."""
+        out = self._tables.get(direct)
         if out is None:
-            dom, w = self.dom, self.world
-            ww = w * w
-            rows = [(e.senders, e.dst, e.phase, e.numel, e.key) for e in c.entries]
-            fixed_k: list[int] = []
-            fixed_n: list[int] = []
-            rot: dict[int, list] = {}
-            for senders, dst, phase, n, k in rows:
-                if not n:
-                    continue
-                kind = FWD if phase else (NET if dom[senders[0]] != dom[dst] else NVL0)
-                if len(senders) == 1:
-                    fixed_k.append(kind * ww + senders[0] * w + dst)
-                    fixed_n.append(n)
-                else:
-                    rot.setdefault(len(senders), []).append((senders, k, kind * ww + dst, n))
-            rot_arrays = {}
-            for ln, rs in rot.items():
-                rot_arrays[ln] = (np.array([r[0] for r in rs], dtype=np.int64),  # E x L sender ranks
-                                  np.array([r[1] for r in rs], dtype=np.int64),  # rotation keys
-                                  np.array([r[2] for r in rs], dtype=np.int64),  # kind and receiver part
-                                  np.array([r[3] for r in rs], dtype=np.float64))  # elements
-            out = (np.array(fixed_k, dtype=np.int64), np.array(fixed_n, dtype=np.float64), rot_arrays)
-            self._split[id(c)] = out
+            np = _np()
+            picked = [i for i, c in enumerate(self.cls) if c.splits] if direct else list(range(len(self.cls)))
+            table = _Table([self.cls[i] for i in picked], direct, self.world)
+            pos = np.full(len(self.cls), -1, dtype=np.int64)
+            pos[picked] = np.arange(len(picked))
+            out = self._tables[direct] = (table, pos)
         return out
 
-    def reshard_loads(self, groups: dict) -> dict | None:
-        """Per kind (NET, NVL0, FWD): arrays over ranks of (bytes sent, bytes received, messages sent, messages
-        received). groups: class index -> (class, {rotation residue: Σ item bytes of its tensors})."""
-        w = self.world
-        keys: list = []
-        vals: list = []
-        for c, residues in groups.values():
-            fk, fn, rot = self._class_split(c)
-            if len(fk):
-                keys.append(fk)
-                vals.append(fn * float(sum(residues.values())))
-            if rot:
-                res = np.fromiter(residues.keys(), dtype=np.int64, count=len(residues))
-                wts = np.fromiter(residues.values(), dtype=np.float64, count=len(residues))
-                for ln, (snd, k, base, n) in rot.items():
-                    pick = (res[:, None] + k[None, :]) % ln  # residues x entries: which replica sends
-                    sender = snd[np.arange(len(k))[None, :], pick]  # residues x entries: its rank
-                    keys.append((base[None, :] + sender * w).ravel())
-                    vals.append((wts[:, None] * n[None, :]).ravel())
-        if not keys:
+    def _arrays(self) -> tuple:
+        """Per tensor: class index, item size, rotation residue; per class: whether direct differs."""
+        out = self._cache_arrays
+        if out is None:
+            np = _np()
+            cid = np.array(self.cid, dtype=np.int64)
+            n = np.array(self.n_of, dtype=np.int64)
+            res = np.arange(len(cid), dtype=np.int64) % n[cid] if len(cid) else cid
+            splits = np.array([c.splits for c in self.cls], dtype=bool)
+            out = self._cache_arrays = (cid, np.array(self.items, dtype=np.float64), res, splits, int(n.max(initial=1)))
+        return out
+
+    def _rows(self, sel, direct, grouped: bool) -> tuple | None:
+        """Pair keys, bytes and group ids of the rows of tensors `sel` (indices), each with forwarding or
+        `direct` (a bool per tensor; classes where direct makes no difference use forwarding's rows). With
+        `grouped`, a row's group id is its class index * 2 + direct, else 0."""
+        np = _np()
+        cid, item, res, splits, rmax = self._arrays()
+        if not len(sel):
             return None
-        uk, inv = np.unique(np.concatenate(keys), return_inverse=True)
-        nbytes = np.bincount(inv.ravel(), weights=np.concatenate(vals), minlength=len(uk))
+        c = cid[sel]
+        job = c * 2 + (direct & splits[c])
+        u, inv = np.unique(job * rmax + res[sel], return_inverse=True)
+        w = np.bincount(inv.ravel(), weights=item[sel], minlength=len(u))  # Σ item per (job, residue)
+        ujob, rr = u // rmax, u % rmax
+        jobs, invj = np.unique(ujob, return_inverse=True)
+        tot = np.bincount(invj.ravel(), weights=w, minlength=len(jobs))  # Σ item per job
+        keys, vals, gids = [], [], []
+        for d in (0, 1):
+            mj, mr = jobs % 2 == d, ujob % 2 == d
+            if not mj.any():
+                continue
+            table, pos = self.table(bool(d))
+            gj = jobs[mj] if grouped else np.zeros(int(mj.sum()), dtype=np.int64)
+            gr = ujob[mr] if grouped else np.zeros(int(mr.sum()), dtype=np.int64)
+            k, v, g = table.rows(pos[jobs[mj] // 2], gj, tot[mj], pos[ujob[mr] // 2], gr, rr[mr], w[mr])
+            keys.append(k)
+            vals.append(v)
+            gids.append(g)
+        return np.concatenate(keys), np.concatenate(vals), np.concatenate(gids)
+
+    def route_arrays(self, routes: tuple) -> tuple:
+        """(indices of the reshard-path tensors, their direct flags, the broadcast tensors) of per-tensor routes."""
+        np = _np()
+        code = np.array([_ROUTE_CODE[r] for r in routes], dtype=np.int8)
+        sel = np.flatnonzero(code != 2)
+        return sel, code[sel] == 1, np.flatnonzero(code == 2).tolist()
+
+    def reshard_loads(self, routes: tuple) -> dict | None:
+        """Per kind (NET, NVL0, FWD): arrays over ranks of (bytes sent, bytes received, messages sent, messages
+        received) of the reshard-path tensors of per-tensor `routes`."""
+        np = _np()
+        w = self.world
+        sel, direct, _b = self.route_arrays(routes)
+        rows = self._rows(sel, direct, False)
+        if rows is None or not len(rows[0]):
+            return None
+        uk, inv = np.unique(rows[0], return_inverse=True)
+        nbytes = np.bincount(inv.ravel(), weights=rows[1], minlength=len(uk))
         msgs = np.ceil(nbytes / self.half)
         kind = uk // (w * w)
         snd = (uk // w) % w
@@ -273,11 +419,16 @@ class _Model:
                        np.bincount(snd[m], msgs[m], minlength=w), np.bincount(rcv[m], msgs[m], minlength=w))
         return per
 
-    def reshard_path(self, groups: dict) -> dict:
+    def reshard_path(self, routes: tuple) -> dict:
         """Busiest-rank (seconds, rank, bytes, messages) of each kind of reshard traffic, and of all NVLink
-        traffic together ("nvl_all")."""
+        traffic together ("nvl_all"), of per-tensor `routes` (the loads `choose` summed are reused)."""
         lk = self.links
-        per = self.reshard_loads(groups)
+        saved = self._saved.get(routes) if self._saved else None
+        if saved is not None:
+            w = self.world
+            per = {k: tuple(a[k * w:(k + 1) * w] for a in saved) for k in (NET, NVL0, FWD)}
+        else:
+            per = self.reshard_loads(routes)
         if per is None:
             zero = (0.0, -1, 0, 0)
             return {NET: zero, NVL0: zero, FWD: zero, "nvl_all": zero}
@@ -349,25 +500,10 @@ class _Model:
                 "ring_hops": hops}
 
     # ---- one mode
-    def split_paths(self, paths: tuple) -> tuple[dict, list]:
-        """Reshard-path tensors grouped by (class, rotation residue) with their Σ item bytes; broadcast tensors."""
-        groups: dict = {}
-        bcast_tensors = []
-        cid, n_of, items = self.cid, self.n_of, self.items
-        for t, path in enumerate(paths):
-            if path == "reshard":
-                i = cid[t]
-                g = groups.get(i)
-                if g is None:
-                    g = groups[i] = (self.cls[i], defaultdict(int))
-                g[1][t % n_of[i]] += items[t]
-            else:
-                bcast_tensors.append(t)
-        return groups, bcast_tensors
-
-    def mode_cost(self, mode: str, paths: tuple) -> ModeCost:
-        groups, bcast_tensors = self.split_paths(paths)
-        rp = self.reshard_path(groups) if groups else {k: (0.0, -1, 0, 0) for k in (NET, NVL0, FWD, "nvl_all")}
+    def mode_cost(self, mode: str, routes: tuple) -> ModeCost:
+        """The predicted figures of per-tensor `routes` ("forward", "direct", "broadcast")."""
+        bcast_tensors = [t for t, r in enumerate(routes) if r == "broadcast"]
+        rp = self.reshard_path(routes)
         bp = self.broadcast_path(bcast_tensors)
         net_s, nvl0_s, fwd_s = rp[NET][0], rp[NVL0][0], rp[FWD][0]
         reshard_seq = max(net_s, nvl0_s) + fwd_s
@@ -381,23 +517,205 @@ class _Model:
         mc.bound_by = _bound_by(mc, self.links)
         return mc
 
+    # ---- auto: the route of each class
+    def tensors_by_class(self) -> list[list[int]]:
+        if self._by_class is None:
+            out: list[list[int]] = [[] for _ in self.cls]
+            for t, i in enumerate(self.cid):
+                out[i].append(t)
+            self._by_class = out
+        return self._by_class
+
+    def choose(self) -> "RouteChoice":
+        """Auto's routes: start from forward everywhere (mode reshard) and, class by class in a fixed order,
+        move a class to another route (direct, broadcast, or back) where this model predicts the whole refit
+        strictly faster with it; repeat until a pass changes nothing (at most 4 passes). Finally, broadcast
+        everywhere wins if it is predicted faster still. So auto is never predicted slower than reshard or
+        broadcast.
+
+        Every figure compared is built from sums of whole bytes (exact in float64, whatever their order) and the
+        same per-rank formula as `mode_cost`, so every rank computes the same figures and the same choice;
+        ties keep the current route, and among new routes go to the first of forward, direct, broadcast.
+        A class is tried on broadcast only when it touches a busiest rank of a phase that sets the time
+        (moving it elsewhere cannot shorten the reshard path otherwise)."""
+        np = _np()
+        w = self.world
+        ww, w3 = w * w, 3 * w
+        lk = self.links
+        by_class = self.tensors_by_class()
+        ncls = len(self.cls)
+        items = self.items
+        # every (class, variant)'s rows, summed over its tensors, as positions in one sorted key universe;
+        # group id of (class i, direct d): 2i + d
+        cid, _item, _res, splits, _rmax = self._arrays()
+        split_t = np.flatnonzero(splits[cid])
+        sel = np.concatenate([np.arange(len(cid), dtype=np.int64), split_t])
+        direct = np.concatenate([np.zeros(len(cid), dtype=bool), np.ones(len(split_t), dtype=bool)])
+        ngid = 2 * ncls
+        rows = self._rows(sel, direct, True)
+        if rows is None:
+            rows = (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64))
+        keys, vals, gids = rows
+        span = 3 * ww
+        uk, inv = np.unique(gids * span + keys, return_inverse=True)
+        row_bytes = np.bincount(inv.ravel(), weights=vals, minlength=len(uk))
+        row_gid = uk // span
+        universe, row_pos = np.unique(uk % span, return_inverse=True)
+        row_pos = row_pos.ravel()
+        bounds = np.searchsorted(row_gid, np.arange(ngid + 1))
+        ks = (universe // ww) * w + (universe // w) % w  # (kind, sender) of each pair, flat
+        kr = (universe // ww) * w + universe % w  # (kind, receiver)
+        bwv = np.repeat(np.array([lk.net, lk.nvl, lk.nvl]), w)
+
+        def seg(i: int, route: str) -> tuple:
+            g = 2 * i + (route == "direct" and self.cls[i].splits)
+            return row_pos[bounds[g]:bounds[g + 1]], row_bytes[bounds[g]:bounds[g + 1]]
+
+        def loads(pb) -> tuple:
+            m = np.ceil(pb / self.half)
+            return (np.bincount(ks, weights=pb, minlength=w3), np.bincount(kr, weights=pb, minlength=w3),
+                    np.bincount(ks, weights=m, minlength=w3), np.bincount(kr, weights=m, minlength=w3))
+
+        def per_kind(ld) -> tuple:
+            t = np.maximum(ld[0], ld[1]) / bwv + np.maximum(ld[2], ld[3]) * lk.lat
+            return t, [float(x) for x in t.reshape(3, w).max(axis=1)]
+
+        def reshard_s(mx) -> float:
+            return max(mx[NET], mx[NVL0]) + mx[FWD]  # as mode_cost: max(network, phase-0 NVLink) + forwards
+
+        def bcast_s(tensors: list) -> float:
+            bp = self.broadcast_path(tensors)
+            return bp["gather_s"] + bp["ring_s"]
+
+        mask = row_gid % 2 == 0
+        pb = np.bincount(row_pos[mask], weights=row_bytes[mask], minlength=len(universe))
+        ld = loads(pb)
+        self._saved[("forward",) * len(items)] = ld  # mode reshard's loads: mode_cost need not sum them again
+        t_rank, mx = per_kind(ld)
+        bset: list[int] = []
+        b_s = bcast_s(bset)
+        total = reshard_s(mx) + b_s
+        start = total
+        routes = ["forward"] * ncls
+        class_of_g = np.arange(ngid, dtype=np.int64) // 2
+        split_classes = set(np.flatnonzero(splits).tolist())
+        switches = passes = 0
+        for passes in range(1, 5):
+            changed = False
+            # classes whose current rows touch a busiest rank of a phase that sets the time
+            busy = []
+            if mx[FWD] > 0:
+                busy.append(FWD)
+            if max(mx[NET], mx[NVL0]) > 0:
+                busy += [k for k in (NET, NVL0) if mx[k] == max(mx[NET], mx[NVL0])]
+            cur_g = np.arange(0, ngid, 2, dtype=np.int64)
+            for i in split_classes:
+                cur_g[i] += routes[i] == "direct"
+            current = cur_g[class_of_g[row_gid]] == row_gid
+            touch = np.zeros(len(row_gid), dtype=bool)
+            for k in busy:
+                r = int(np.argmax(t_rank[k * w:(k + 1) * w]))
+                touch |= (ks[row_pos] == k * w + r) | (kr[row_pos] == k * w + r)
+            bcast_ok = set(class_of_g[row_gid[touch & current]].tolist())
+            for i in sorted(bcast_ok | split_classes | {i for i, r in enumerate(routes) if r == "broadcast"}):
+                cur = routes[i]
+                options = []
+                for route in ROUTES:
+                    if route == cur or (route == "direct" and not self.cls[i].splits):
+                        continue
+                    if route == "broadcast" and (i not in bcast_ok or not self.numel_of[i]):
+                        continue
+                    options.append(route)
+                best = None
+                for route in options:
+                    parts_i, parts_b = [], []
+                    for r, sign in ((cur, -1.0), (route, 1.0)):
+                        if r != "broadcast":
+                            pos, nb = seg(i, r)
+                            parts_i.append(pos)
+                            parts_b.append(nb * sign)
+                    if parts_i:
+                        u, inv2 = np.unique(np.concatenate(parts_i), return_inverse=True)
+                        delta = np.bincount(inv2.ravel(), weights=np.concatenate(parts_b), minlength=len(u))
+                        old = pb[u]
+                        new = old + delta
+                        dm = np.ceil(new / self.half) - np.ceil(old / self.half)
+                        ld2 = (ld[0] + np.bincount(ks[u], weights=delta, minlength=w3),
+                               ld[1] + np.bincount(kr[u], weights=delta, minlength=w3),
+                               ld[2] + np.bincount(ks[u], weights=dm, minlength=w3),
+                               ld[3] + np.bincount(kr[u], weights=dm, minlength=w3))
+                        t2, mx2 = per_kind(ld2)
+                    else:
+                        u = new = None
+                        ld2, t2, mx2 = ld, t_rank, mx
+                    if route == "broadcast" or cur == "broadcast":
+                        bset2 = sorted(set(bset) | set(by_class[i])) if route == "broadcast" else \
+                            [t for t in bset if t not in set(by_class[i])]
+                        b2 = bcast_s(bset2)
+                    else:
+                        bset2, b2 = bset, b_s
+                    total2 = reshard_s(mx2) + b2
+                    if total2 < (total if best is None else best[0]):
+                        best = (total2, route, u, new, ld2, t2, mx2, bset2, b2)
+                if best is not None:
+                    total, routes[i], u, new, ld, t_rank, mx, bset, b_s = best
+                    if u is not None:
+                        pb[u] = new
+                    switches += 1
+                    changed = True
+            if not changed:
+                break
+        # broadcast everywhere, where that is faster still (tried only if a floor of its time is below)
+        floor = self.plan.src.manifest.nbytes / lk.nvl  # no ring is faster than NVLink
+        if floor < total:  # each root's ring bytes at its ring's bandwidth, and at least one fill latency
+            floor = 0.0
+            per_root: dict[int, int] = defaultdict(int)
+            for i, ts in enumerate(by_class):
+                if self.numel_of[i]:
+                    for t in ts:
+                        per_root[self.gather_cost(i, t)[0]] += align(self.numel_of[i] * items[t])
+            for root, nbytes in per_root.items():
+                bw, size = self.ring(root)
+                floor += nbytes / bw + (size - 1) * lk.lat
+        broadcast = None
+        if floor < total:
+            broadcast = 0.0 + bcast_s(list(range(len(items))))
+        if broadcast is not None and broadcast < total:
+            total, routes = broadcast, ["broadcast"] * ncls
+        elif any(r != "broadcast" for r in routes):  # auto's loads, likewise
+            self._saved[tuple(routes[i] for i in self.cid)] = ld
+        return RouteChoice(routes, total, start, broadcast, switches, passes)
+
     # ---- lower bound
     def lower_bound(self) -> LowerBound:
+        np = _np()
         plan, dom, lk = self.plan, self.dom, self.links
-        per_class: list = [[c, 0, -1] for c in self.cls]  # class, Σ item bytes, a tensor of it
+        w = self.world
+        ww = w * w
+        totals = [0] * len(self.cls)  # class -> Σ item bytes of its tensors
         for t, i in enumerate(self.cid):
-            entry = per_class[i]
-            entry[1] += self.items[t]
-            entry[2] = t
-        ingress: dict[int, float] = defaultdict(float)  # dst domain -> bytes it must receive from outside
+            totals[i] += self.items[t]
+        # ingress: every phase-0 network entry (with forwarding) enters its receiver's domain once
+        table, _pos = self.table(False)
+        tot = np.array(totals, dtype=np.float64)
+        dom_ids = sorted(set(dom.values()))
+        index = {d: j for j, d in enumerate(dom_ids)}
+        dom_idx = np.zeros(w, dtype=np.int64)
+        for r, d in dom.items():
+            dom_idx[r] = index[d]
+        ingress_arr = np.zeros(len(dom_ids))
+        for keys, n, cnt in ((table.fk, table.fn, table.fc), (table.rb, table.rn, table.rc)):
+            if not len(keys):
+                continue
+            weight = n * np.repeat(tot, cnt)
+            net = keys // ww == NET
+            ingress_arr += np.bincount(dom_idx[keys[net] % w], weights=weight[net], minlength=len(dom_ids))
+        ingress: dict[int, float] = {dom_ids[j]: float(v) for j, v in enumerate(ingress_arr) if v}
         exclusive: dict[int, float] = defaultdict(float)  # src domain -> bytes only it holds, needed outside
         must_leave = 0.0  # bytes that must leave some source domain
-        for c, items, t in per_class:
+        for c, items in zip(self.cls, totals):
             if not items:
                 continue
-            for e in c.entries:
-                if e.phase == 0 and e.numel and dom[e.senders[0]] != dom[e.dst]:
-                    ingress[dom[e.dst]] += e.numel * items
             dst_boxes = c.dst_boxes
             dst_doms = [{dom[h] for h in holders} for _b, holders in dst_boxes]
             for a, senders in c.src_boxes:
@@ -454,8 +772,30 @@ class _Model:
         return LowerBound(s, resource, in_s, egress_s, detail)
 
 
+@dataclass
+class RouteChoice:
+    """Auto's choice (`_Model.choose`): per class (in `Plan.class_index` order) its route, and the predicted
+    seconds of the refit with these routes, with forward everywhere (mode reshard) and with broadcast
+    everywhere (None: not needed, its floor was already slower)."""
+
+    routes: list
+    seconds: float
+    reshard_seconds: float
+    broadcast_seconds: float | None
+    switches: int  # classes moved off their route (counting each move)
+    passes: int
+
+
+def _np():
+    """numpy, imported on first use: planning without link figures never needs it."""
+    import numpy
+
+    return numpy
+
+
 def _busiest(sent, received, msgs_sent, msgs_received, bw: float, lat: float) -> tuple:
     """(seconds, rank, bytes, messages) of the busiest rank: full duplex, so the larger direction counts."""
+    np = _np()
     nb = np.maximum(sent, received)
     m = np.maximum(msgs_sent, msgs_received)
     t = nb / bw + m * lat
@@ -514,11 +854,35 @@ def _bound_by(mc: ModeCost, lk: Links) -> str:
 # ----------------------------------------------------------------------------------------------- API
 
 
+def model_for(plan: Plan, links: Links, bucket_bytes: int | None = None) -> _Model:
+    """The model of `plan` under `links` (kept on the plan: auto's choice and the predictions share its tables)."""
+    half = TransferOptions(bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES).half
+    key = ("model", links, half)
+    model = plan._cache.get(key)
+    if model is None:
+        model = plan._cache[key] = _Model(plan, links, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    return model
+
+
+def choose_routes(plan: Plan, links: Links | None = None, bucket_bytes: int | None = None) -> RouteChoice | None:
+    """Auto's route per tensor class of `plan` (`Plan.class_index` order): the one this model predicts cheapest
+    for the class's tensors refit alone, from `links` (default: the plan's topology's; None without figures)."""
+    if links is None:
+        links, _why = links_of(plan.topology)
+        if links is None:
+            return None
+    model = model_for(plan, links, bucket_bytes)
+    if model.choice is None:
+        model.choice = model.choose()
+    return model.choice
+
+
 def predict(plan: Plan, topology: Topology | None = None, *, modes=MODES,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Prediction | None:
-    """Predicted seconds of every mode (a Plan per mode from the plan's layouts) and the network lower bound.
+    """Predicted seconds of every mode (each mode's routes from the plan's classes) and the network lower bound.
 
     `topology` defaults to the plan's; None is returned when it has no usable link figures (`links_of`).
+    Mode auto is costed with the routes the plan chose (from its topology's links and its bucket size).
     """
     t0 = time.perf_counter()
     topology = topology if topology is not None else plan.topology
@@ -526,15 +890,29 @@ def predict(plan: Plan, topology: Topology | None = None, *, modes=MODES,
     if links is None:
         return None
     if topology is not plan.topology:
-        plan = Plan(plan.src, plan.dst, topology, mode=plan.mode, reshard_match=plan.reshard_match)
-    model = _Model(plan, links, bucket_bytes)
-    costs = {}
-    for m in modes:
-        paths = plan.paths if m == plan.mode else \
-            Plan(plan.src, plan.dst, plan.topology, mode=m, reshard_match=plan.reshard_match).paths
-        costs[m] = model.mode_cost(m, paths)
-    bound = model.lower_bound()
-    return Prediction(links, topology.name, costs, bound, plan.mode, time.perf_counter() - t0)
+        plan = Plan(plan.src, plan.dst, topology, mode=plan.mode, reshard_match=plan.reshard_match,
+                    bucket_bytes=plan.bucket_bytes)
+    with no_gc():
+        model = model_for(plan, links, bucket_bytes)
+        costs = {m: model.mode_cost(m, plan.routes_for(m)) for m in modes}
+        bound = model.lower_bound()
+        auto = _route_summary(plan, plan.routes_for("auto")) if "auto" in modes else None
+    return Prediction(links, topology.name, costs, bound, plan.mode, time.perf_counter() - t0, auto)
+
+
+def _route_summary(plan: Plan, routes: tuple) -> dict:
+    """Per route: classes, tensors and bytes that take it."""
+    out = {r: {"classes": 0, "tensors": 0, "bytes": 0} for r in ROUTES}
+    seen = set()
+    classes, cid = plan.class_index()
+    for i, item, r in zip(cid, plan.itemsizes(), routes):
+        o = out[r]
+        o["tensors"] += 1
+        o["bytes"] += classes[i].numel * item
+        if (i, r) not in seen:
+            seen.add((i, r))
+            o["classes"] += 1
+    return out
 
 
 def prediction_text(pred: Prediction) -> str:

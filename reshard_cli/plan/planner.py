@@ -3,25 +3,43 @@
 Reshard path, per tensor: every unique destination box B is intersected with every unique source box A.
 Each intersection must enter each destination domain once:
   * a source replica inside the domain sends it directly to every destination replica there (in-domain);
-  * otherwise the intersection is split among the k destination replicas of B in that domain, each piece
-    comes over the network from one source replica (phase 0) and is then forwarded to the other k-1 (phase 1).
+  * otherwise, with *forwarding* (the default), the intersection is split among the k destination replicas of
+    B in that domain, each piece comes over the network from one source replica (phase 0) and is then
+    forwarded to the other k-1 (phase 1);
+  * or, *direct*, each of the k replicas receives the whole intersection from a source replica (phase 0 only):
+    k times the network bytes, but no forwarding phase (cheaper only where messages, not bytes, dominate).
 Source replicas share the sending by rotation: entry k of tensor t is sent by replica (t + k) mod n. The rule
 needs no global pass over tensors, so a rank can build just the pieces of the tensors it touches and get
 exactly the global plan restricted to itself.
 
 Tensors with equal (shape, src placement, dst placement) form a class; the geometry of a class is computed
-once (`TensorClass`, its pieces as `Entry`s), and instantiating a tensor only applies the rotation.
+once (`TensorClass`, its pieces as entries), and instantiating a tensor only applies the rotation.
 
 Broadcast path (baseline, as RL frameworks do it): the full tensor is gathered on one source rank (the root)
 and broadcast to every destination rank; each keeps its slice.
+
+Every tensor takes one *route*: `forward` or `direct` (the reshard path) or `broadcast`. The modes:
+  * `reshard`: every tensor forward; `broadcast`: every tensor broadcast;
+  * `hybrid`: tensors matching `reshard_match` (FFN/expert weights) forward, the rest broadcast;
+  * `auto`: per tensor class, the route under which the cost model (`cost.py`, from the topology's link
+    figures) predicts the refit fastest: from forward everywhere, classes move one at a time in a fixed
+    order where that strictly lowers the prediction (`cost.choose_routes`; see cost.py). The choice is a pure
+    function of the layouts, the topology and the bucket size, computed with exact sums, so every rank
+    computes the same one; it weighs every class once (a rank view in mode auto pays that too).
+    Without link figures (no topology, or one without `links:`) there is nothing to weigh, and auto takes
+    forward everywhere: the reshard path moves the fewest bytes over the network (each byte enters each
+    destination domain once), which is the scarce resource wherever a domain holds several replicas, and
+    with no topology every rank is its own domain, so forward and direct are the same pieces.
 """
 from __future__ import annotations
 
+import gc
 import math
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
@@ -30,7 +48,8 @@ from reshard_cli.plan.geometry import Box
 from reshard_cli.spec.layout import Layout, Placement, load_pair
 from reshard_cli.spec.topology import NO_TOPOLOGY, Topology, load_topology
 
-MODES = ("hybrid", "reshard", "broadcast")
+MODES = ("auto", "hybrid", "reshard", "broadcast")
+ROUTES = ("forward", "direct", "broadcast")  # a tensor's route; also auto's tie-break order
 # FFN and expert projections (dense, shared and routed experts; mixtral's w1/w2/w3) take the reshard path.
 DEFAULT_RESHARD_MATCH = r"(gate_proj|up_proj|down_proj|\.w[123])\.weight$"
 
@@ -52,18 +71,16 @@ class Bcast(NamedTuple):
 
 
 class Entry(NamedTuple):
-    """One piece of a tensor class, before the rotation picks its sender.
-
-    Tensor t's copy of it goes to `dst` from `senders[(t + key) % len(senders)]`; `key` is the entry's position
-    in the class, so consecutive pieces cycle through the source replicas.
-    """
+    """One piece of a tensor class, before the rotation picks its sender. A class keeps its entries as plain
+    tuples in this field order (they are many); an entry's key is its position k in the class's list: tensor
+    t's copy of it goes to `dst` from `senders[(t + k) % len(senders)]`, so consecutive pieces cycle through
+    the source replicas."""
 
     senders: tuple  # the source replicas (phase 0) or the one forwarding destination rank (phase 1)
     dst: int
     box: Box  # global coordinates
     phase: int  # 0: from a source rank, 1: forwarded inside a destination domain
     numel: int
-    key: int
 
 
 class _Loads(NamedTuple):
@@ -77,12 +94,43 @@ class _Loads(NamedTuple):
     recv_all: int = 0  # elements every destination rank receives (broadcast)
 
 
+# kinds of reshard-path traffic
+NET, NVL0, FWD = 0, 1, 2  # phase 0 across domains (network), phase 0 inside a domain, phase 1 (forwards)
+
+
+class Columns(NamedTuple):
+    """A class's entries (with forwarding, or direct) as columns. Phase-0 entries with one possible sender
+    ("fixed") as sender, receiver, elements, kind; the others ("rotating") as their senders' position in
+    `senders`, receiver, elements, rotation key and kind. Forwards (phase 1, fixed) as blocks, one per split
+    intersection: (the domain's replicas G, the elements m_j of each sub-piece): G[j] sends m_j to every other
+    G[g] (m_j > 0). Plus the loads of all fixed entries and the ideal send (each network entry split evenly
+    over its senders)."""
+
+    fsrc: list
+    fdst: list
+    fn: list
+    fkind: list
+    rsid: list
+    rdst: list
+    rn: list
+    rkey: list
+    rkind: list
+    senders: list
+    blocks: list
+    fixed_loads: "_Loads"
+    ideal: dict
+    rotating: tuple  # (network elements, in-domain elements, {rank: network elements received},
+    #                  [(senders, key mod L, network elements)], entries): the rotating entries' figures
+
+
 class TensorClass:
-    """Geometry shared by every tensor with the same shape and placements: its `entries` (see `Entry`)."""
+    """Geometry shared by every tensor with the same shape and placements: its entries (see `Entry`), with
+    forwarding (`entries`) or direct (`direct_entries`)."""
 
     def __init__(self, shape: tuple, src_boxes: list, dst_boxes: list, dom: dict, receivers: tuple,
                  recv_doms: frozenset):
         self.shape = shape
+        self.numel = math.prod(shape)
         self.recv_doms = recv_doms  # domains of the destination group
         self.src_boxes = src_boxes
         self.dst_boxes = dst_boxes
@@ -90,128 +138,279 @@ class TensorClass:
         self.receivers = receivers  # the baseline broadcasts every tensor to the whole destination group
         self.bn = _lcm(len(rs) for _a, rs in src_boxes)  # broadcast root/gather choice period
         self._src_doms = [{dom[s] for s in senders} for _a, senders in src_boxes]
-        self._entries: list | None = None
-        self._where: dict | None = None
+        self._built: dict[bool, list] = {}
+        self._group_list: list | None = None
+        self._cols: dict[bool, Columns] = {}
+        self._geometry: tuple | None = None
         self._parts: dict[int, list] = {}
+        self._local: dict[tuple, tuple] = {}
+        self._splits: dict[tuple, list] = {}
+        self._where: dict[tuple, list] = {}
         self._loads: dict = {}
 
-    def _groups(self, holders: tuple) -> list[tuple[int, list[int]]]:
-        groups: dict[int, list[int]] = {}
-        for h in holders:
-            groups.setdefault(self.dom[h], []).append(h)
-        return list(groups.items())
+    # ---- geometry
+    def _groups(self) -> list[tuple[int, Box, int, list[int]]]:
+        """(destination box index, box, domain, its holders in the domain), in first-appearance order."""
+        out = self._group_list
+        if out is None:
+            out = self._group_list = []
+            dom = self.dom
+            for bi, (b, holders) in enumerate(self.dst_boxes):
+                groups: dict[int, list[int]] = {}
+                for h in holders:
+                    groups.setdefault(dom[h], []).append(h)
+                out.extend((bi, b, d, g) for d, g in groups.items())
+        return out
 
-    def _group_entries(self, bi: int, b: Box, d: int, group: list) -> tuple[list, int]:
-        """Entries of one destination box inside one domain, and the elements that must enter the domain."""
-        entries = []
-        from_outside = b.numel
+    def _parts_of(self, bi: int, b: Box) -> list:
+        """The source boxes destination box `bi` needs: (src box index, senders, their domains, region, numel)."""
         parts = self._parts.get(bi)
-        if parts is None:  # the source boxes this destination box needs: once per box, not per domain group
-            parts = self._parts[bi] = [(senders, doms, r) for (a, senders), doms in zip(self.src_boxes, self._src_doms)
-                                       if (r := a.intersect(b)) is not None]
-        for senders, doms, r in parts:
-            n = r.numel
-            if d in doms:  # a source replica shares the domain: send directly, in-domain
-                from_outside -= n
-                local = tuple(s for s in senders if self.dom[s] == d)
-                entries.extend((local, g, r, 0, n) for g in group)
-            elif len(group) == 1:
-                entries.append((senders, group[0], r, 0, n))
-            else:  # split among the domain's replicas, each forwards its part to the others
-                for j, sub in enumerate(r.split(len(group))):
-                    m = sub.numel
-                    if m:
-                        entries.append((senders, group[j], sub, 0, m))
-                        entries.extend(((group[j],), g, sub, 1, m) for g in group if g != group[j])
-        return entries, from_outside
+        if parts is None:
+            parts = self._parts[bi] = [(si, senders, doms, r, r.numel) for si, ((a, senders), doms)
+                                       in enumerate(zip(self.src_boxes, self._src_doms))
+                                       if (r := (a if a == b else a.intersect(b))) is not None]
+        return parts
+
+    def _local_senders(self, si: int, senders: tuple, d: int) -> tuple:
+        out = self._local.get((si, d))
+        if out is None:
+            out = self._local[(si, d)] = tuple(s for s in senders if self.dom[s] == d)
+        return out
+
+    def _split(self, r: Box, k: int) -> list:
+        out = self._splits.get((r, k))
+        if out is None:
+            out = self._splits[(r, k)] = [(sub, sub.numel) for sub in r.split(k)]
+        return out
+
+    def _geo(self) -> tuple[int, int, bool]:
+        """(elements that must cross a domain boundary, rotation period n, whether forwarding differs from
+        direct anywhere): from the boxes and domains, without building entries."""
+        if self._geometry is None:
+            min_wire = 0
+            lens: set[int] = set()
+            splits = False
+            for bi, b, d, group in self._groups():
+                outside = b.numel
+                for si, senders, doms, r, n in self._parts_of(bi, b):
+                    if d in doms:
+                        outside -= n
+                        lens.add(len(self._local_senders(si, senders, d)))
+                    else:
+                        lens.add(len(senders))
+                        splits = splits or len(group) > 1
+                min_wire += outside
+            self._geometry = (min_wire, _lcm(lens), splits)
+        return self._geometry
+
+    def _build(self, direct: bool) -> list:
+        out: list = []
+        for bi, b, d, group in self._groups():
+            k = len(group)
+            for si, senders, doms, r, n in self._parts_of(bi, b):
+                if d in doms:  # a source replica shares the domain: send directly, in-domain
+                    local = self._local_senders(si, senders, d)
+                    out += [(local, g, r, 0, n) for g in group]
+                elif k == 1:
+                    out.append((senders, group[0], r, 0, n))
+                elif direct:  # every replica in the domain receives the whole intersection over the network
+                    out += [(senders, g, r, 0, n) for g in group]
+                else:  # split among the domain's replicas, each forwards its part to the others
+                    for j, (sub, m) in enumerate(self._split(r, k)):
+                        if m:
+                            gj = group[j]
+                            out.append((senders, gj, sub, 0, m))
+                            one = (gj,)
+                            out += [(one, g, sub, 1, m) for g in group if g != gj]
+        return out
+
+    def entries_of(self, direct: bool = False) -> list:
+        """The class's entries (tuples in `Entry`'s field order), with forwarding or direct."""
+        if direct and not self.splits:
+            direct = False  # the same pieces
+        out = self._built.get(direct)
+        if out is None:
+            out = self._built[direct] = self._build(direct)
+        return out
 
     @property
-    def entries(self) -> list[Entry]:
-        if self._entries is None:
-            entries: list[tuple] = []
-            min_wire = 0
-            for bi, (b, holders) in enumerate(self.dst_boxes):
-                for d, group in self._groups(holders):
-                    e, outside = self._group_entries(bi, b, d, group)
-                    entries.extend(e)
-                    min_wire += outside
-            self._entries = [Entry(s, d, b, p, n, k) for k, (s, d, b, p, n) in enumerate(entries)]
-            self._min_wire = min_wire
-            self._n = _lcm(len(e[0]) for e in entries)
-        return self._entries
+    def entries(self) -> list:
+        return self.entries_of(False)
+
+    @property
+    def direct_entries(self) -> list:
+        return self.entries_of(True)
 
     @property
     def min_wire(self) -> int:
         """Elements that must cross a domain boundary."""
-        self.entries  # noqa: B018 - builds them
-        return self._min_wire
+        return self._geo()[0]
 
     @property
     def n(self) -> int:
-        """The sender choice repeats with period n in t."""
-        self.entries  # noqa: B018
-        return self._n
+        """The sender choice repeats with period n in t (forwarding or direct alike)."""
+        return self._geo()[1]
+
+    @property
+    def splits(self) -> bool:
+        """True when some destination domain holds several replicas of a box that needs data from outside it:
+        only then do forwarding and direct differ."""
+        return self._geo()[2]
 
     # ---- reshard path
-    def pieces(self, t: int) -> list[Piece]:
-        return [Piece(t, s[(t + k) % len(s)], d, b, p) for s, d, b, p, _n, k in self.entries]
+    def pieces(self, t: int, direct: bool = False) -> list[Piece]:
+        return [Piece(t, s[(t + k) % len(s)], d, b, p) for k, (s, d, b, p, _n) in enumerate(self.entries_of(direct))]
 
-    def dst_pieces(self, t: int, rank: int) -> list[Piece]:
+    def dst_pieces(self, t: int, rank: int, direct: bool = False) -> list[Piece]:
         """The pieces a destination rank receives or forwards."""
-        if self._where is None:
-            self._where = {}
-        mine = self._where.get(rank)
+        mine = self._where.get((direct, rank, 1))
         if mine is None:
-            mine = self._where[rank] = [e for e in self.entries
-                                             if e.dst == rank or (e.phase == 1 and e.senders[0] == rank)]
-        return [Piece(t, s[(t + k) % len(s)], d, b, p) for s, d, b, p, _n, k in mine]
+            mine = self._where[(direct, rank, 1)] = [
+                (k, e) for k, e in enumerate(self.entries_of(direct))
+                if e[1] == rank or (e[3] == 1 and e[0][0] == rank)]
+        return [Piece(t, s[(t + k) % len(s)], d, b, p) for k, (s, d, b, p, _n) in mine]
 
-    def rank_pieces(self, t: int, rank: int) -> list[Piece]:
-        """Pieces of tensor t that `rank` sends or receives (a scan of the class's entries)."""
+    def rank_pieces(self, t: int, rank: int, direct: bool = False) -> list[Piece]:
+        """Pieces of tensor t that `rank` sends or receives."""
+        mine = self._where.get((direct, rank, 0))
+        if mine is None:  # the entries rank may send (it is one of their senders) or receives
+            mine = self._where[(direct, rank, 0)] = [(k, e) for k, e in enumerate(self.entries_of(direct))
+                                                     if e[1] == rank or rank in e[0]]
         out = []
-        for s, d, b, p, _n, k in self.entries:
+        for k, (s, d, b, p, _n) in mine:
             src = s[(t + k) % len(s)]
             if src == rank or d == rank:
                 out.append(Piece(t, src, d, b, p))
         return out
 
-    def reshard_loads(self, residue: int | None) -> _Loads:
-        """Loads of the entries whose sender depends on the rotation (at `residue`), or with residue None
-        of the entries with a single possible sender (the same for every tensor of the class)."""
-        key = ("reshard", residue)
-        if key not in self._loads:
-            dom = self.dom
-            wire = indomain = pieces = 0
-            send: dict[int, int] = defaultdict(int)
-            recv: dict[int, int] = defaultdict(int)
-            for s, d, _b, _p, n, k in self.entries:
-                if (len(s) == 1) != (residue is None):
+    def columns(self, direct: bool = False) -> "Columns":
+        """The entries' figures (see `Columns`), walked in `_build`'s order without building them."""
+        direct = direct and self.splits
+        col = self._cols.get(direct)
+        if col is not None:
+            return col
+        # 1. the phase-0 entries as (senders, dst, elements, kind, key) in `_build`'s order (key: the entry's
+        #    position there, forwards included); forwards as blocks; the geometry (`_geo`) on the way
+        ents: list[tuple] = []
+        blocks: list[tuple] = []
+        fwd_elems = fwd_pieces = 0
+        key = 0
+        min_wire = 0
+        lens: set[int] = set()
+        splits = False
+        for bi, b, d, group in self._groups():
+            k = len(group)
+            outside = b.numel
+            for si, srcs, doms, r, n in self._parts_of(bi, b):
+                if d in doms:  # a source replica shares the domain: each replica gets it from there
+                    outside -= n
+                    local = self._local_senders(si, srcs, d)
+                    lens.add(len(local))
+                    ents += [(local, g, n, NVL0, key + j) for j, g in enumerate(group)]
+                    key += k
                     continue
-                pieces += 1
-                src = s[0] if residue is None else s[(residue + k) % len(s)]
-                if dom[src] != dom[d]:
+                lens.add(len(srcs))
+                splits = splits or k > 1
+                if k == 1 or direct:
+                    ents += [(srcs, g, n, NET, key + j) for j, g in enumerate(group)]
+                    key += k
+                else:
+                    ms = []
+                    for j, (_sub, m) in enumerate(self._split(r, k)):
+                        ms.append(m)
+                        if m:
+                            ents.append((srcs, group[j], m, NET, key))
+                            key += k  # the entry, then its k - 1 forwards (fixed entries, kept as a block)
+                            fwd_elems += m * (k - 1)
+                            fwd_pieces += k - 1
+                    blocks.append((group, ms + [0] * (k - len(ms))))  # a scalar is not split: one part
+            min_wire += outside
+        if self._geometry is None:
+            self._geometry = (min_wire, _lcm(lens), splits)
+        # 2. their figures, in one pass
+        fsrc: list[int] = []
+        fdst: list[int] = []
+        fn: list[int] = []
+        fkind: list[int] = []
+        rsid: list[int] = []
+        rdst: list[int] = []
+        rn: list[int] = []
+        rkey: list[int] = []
+        rkind: list[int] = []
+        senders: list[tuple] = []
+        sid_of: dict[int, int] = {}
+        wire = indomain = 0
+        send: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        by_senders: dict[tuple, int] = defaultdict(int)
+        rot_net = rot_in = 0  # rotating entries: network and in-domain elements
+        rot_recv: dict[int, int] = defaultdict(int)
+        rot_by: dict[tuple, int] = defaultdict(int)
+        for s, d, n, kind, k in ents:
+            if len(s) == 1:
+                src = s[0]
+                fsrc.append(src)
+                fdst.append(d)
+                fn.append(n)
+                fkind.append(kind)
+                if kind == NET:
+                    by_senders[s] += n
                     wire += n
                     send[src] += n
                     recv[d] += n
                 else:
                     indomain += n
-            self._loads[key] = _Loads(wire, indomain, pieces, send, recv)
-        return self._loads[key]
+                continue
+            sid = sid_of.get(id(s))
+            if sid is None:
+                sid = sid_of[id(s)] = len(senders)
+                senders.append(s)
+            rsid.append(sid)
+            rdst.append(d)
+            rn.append(n)
+            rkey.append(k)
+            rkind.append(kind)
+            if kind == NET:  # what does not depend on the residue, and who sends per key mod L
+                by_senders[s] += n
+                rot_net += n
+                rot_recv[d] += n
+                rot_by[(sid, k % len(s))] += n
+            else:
+                rot_in += n
+        ideal: dict[int, float] = defaultdict(float)
+        for s, n in by_senders.items():
+            for x in s:
+                ideal[x] += n / len(s)
+        col = self._cols[direct] = Columns(
+            fsrc, fdst, fn, fkind, rsid, rdst, rn, rkey, rkind, senders, blocks,
+            _Loads(wire, indomain + fwd_elems, len(fsrc) + fwd_pieces, send, recv), ideal,
+            (rot_net, rot_in, rot_recv, [(senders[sid], ph, n) for (sid, ph), n in rot_by.items()], len(rsid)))
+        return col
 
-    def ideal_send(self) -> dict:
+    def reshard_loads(self, residue: int | None, direct: bool = False) -> _Loads:
+        """Loads of the entries whose sender depends on the rotation (at `residue`), or with residue None
+        of the entries with a single possible sender (the same for every tensor of the class)."""
+        col = self.columns(direct)
+        if residue is None:
+            return col.fixed_loads
+        key = (direct and self.splits, residue)
+        out = self._loads.get(key)
+        if out is None:
+            rot = self._rotating(direct and self.splits)
+            send: dict[int, int] = defaultdict(int)
+            for s, p, n in rot[3]:  # only who sends depends on the residue
+                send[s[(residue + p) % len(s)]] += n
+            out = self._loads[key] = _Loads(rot[0], rot[1], len(col.rsid), send, rot[2])
+        return out
+
+    def _rotating(self, direct: bool) -> tuple:
+        """The rotating entries' figures that do not depend on the residue (network and in-domain elements,
+        elements received per rank), their network elements summed per (senders, key mod L), their count."""
+        return self.columns(direct).rotating
+
+    def ideal_send(self, direct: bool = False) -> dict:
         """Network elements per source rank if every piece were split evenly over its replicas."""
-        if "ideal" not in self._loads:
-            dom = self.dom
-            by_senders: dict[tuple, int] = defaultdict(int)
-            for s, d, _b, _p, n, _k in self.entries:
-                if dom[s[0]] != dom[d]:
-                    by_senders[s] += n
-            out: dict[int, float] = defaultdict(float)
-            for s, n in by_senders.items():
-                for x in s:
-                    out[x] += n / len(s)
-            self._loads["ideal"] = out
-        return self._loads["ideal"]
+        return self.columns(direct).ideal
 
     # ---- broadcast path
     def bcast(self, t: int) -> Bcast:
@@ -225,6 +424,29 @@ class TensorClass:
             near = [r for r in rs if dom[r] == dom[root]] or list(rs)
             gather.append((near[t % len(near)], a))
         return Bcast(t, root, tuple(gather), root_box, self.receivers)
+
+    def bcast_wire(self, residue: int) -> int:
+        """`bcast_loads(residue).wire`, without the rest."""
+        key = ("bwire", residue)
+        out = self._loads.get(key)
+        if out is None:
+            loads = self._loads.get(("broadcast", residue))
+            if loads is not None:
+                out = loads.wire
+            else:
+                bc = self.bcast(residue)
+                out = 0
+                if bc.root >= 0:
+                    dom = self.dom
+                    droot = dom[bc.root]
+                    numel = bc.root_box.numel
+                    for s, a in bc.gather:
+                        numel += a.numel
+                        if dom[s] != droot:
+                            out += a.numel
+                    out += numel * (len(self.recv_doms) - (droot in self.recv_doms))
+            self._loads[key] = out
+        return out
 
     def bcast_loads(self, residue: int) -> _Loads:
         """Gather on the root, then a broadcast tree/ring that enters each receiving domain once."""
@@ -256,6 +478,19 @@ class TensorClass:
         return self._loads[key]
 
 
+@contextmanager
+def no_gc():
+    """Pause the cyclic garbage collector: planning allocates millions of small acyclic objects (boxes, tuples),
+    and the full collections they trigger cost more than the planning itself (nothing here makes cycles)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _lcm(values) -> int:
     out = 1
     for v in values:
@@ -278,6 +513,10 @@ class Plan:
 
     Identical on every rank by construction (pure functions of the layouts, topology, mode and match), so
     each rank can ask only for its own part (`rank_view`) and still agree with its peers.
+
+    `paths` (per tensor: "reshard" or "broadcast") and `routes` (per tensor: "forward", "direct" or
+    "broadcast") are computed on first use; in mode auto that weighs every tensor class once (`class_routes`).
+    `bucket_bytes` is the transport's bucket size auto's cost figures assume (None: the transport's default).
     """
 
     src: Layout
@@ -285,40 +524,90 @@ class Plan:
     topology: Topology = NO_TOPOLOGY
     mode: str = "hybrid"
     reshard_match: str | None = None  # None: DEFAULT_RESHARD_MATCH
-    paths: tuple = field(init=False)
+    bucket_bytes: int | None = None
 
     @classmethod
     def build(cls, src: str | Path, dst: str | Path, *, topology: str | Path | Topology | None = None,
-              mode: str = "hybrid", reshard_match: str | None = None, scale: int = 1) -> "Plan":
+              mode: str = "hybrid", reshard_match: str | None = None, scale: int = 1,
+              bucket_bytes: int | None = None) -> "Plan":
         """Load a layout pair (paths or bundled names) and a topology (path, bundled name or object) and plan."""
-        src_l, dst_l = load_pair(src, dst, scale=scale)
+        with no_gc():
+            src_l, dst_l = load_pair(src, dst, scale=scale)
         if topology is None:
             topology = NO_TOPOLOGY
         elif not isinstance(topology, Topology):
             topology = load_topology(topology)
-        return cls(src_l, dst_l, topology, mode=mode, reshard_match=reshard_match)
+        return cls(src_l, dst_l, topology, mode=mode, reshard_match=reshard_match, bucket_bytes=bucket_bytes)
 
     def __post_init__(self):
         if self.reshard_match is None:
             self.reshard_match = DEFAULT_RESHARD_MATCH
-        if [t.name for t in self.src.manifest.tensors] != [t.name for t in self.dst.manifest.tensors]:
+        if self.src.manifest is not self.dst.manifest and \
+                [t.name for t in self.src.manifest.tensors] != [t.name for t in self.dst.manifest.tensors]:
             raise ConfigError("the src and dst layouts list their tensors in different orders; load them with "
                               "load_pair or reorder one with Layout.in_order_of", key="dst")
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r} (modes: {', '.join(MODES)})", key="--mode")
         try:
-            rx = re.compile(self.reshard_match)
+            self._rx = re.compile(self.reshard_match)
         except re.error as e:
             raise ConfigError(f"bad regex: {e}", key="--reshard-match") from None
-        tensors = self.src.manifest.tensors
-        if self.mode == "hybrid":
-            self.paths = tuple("reshard" if rx.search(t.name) else "broadcast" for t in tensors)
-        else:
-            self.paths = (self.mode,) * len(tensors)
         self._classes: dict[tuple, TensorClass] = {}
         self.domains = {r: self.topology.domain_of(r) for r in self.src.ranks + self.dst.ranks}  # rank -> domain id
         self._recv_doms = frozenset(self.domains[r] for r in self.dst.ranks)
         self._boxes: dict[tuple, list] = {}
+        self._index: tuple | None = None
+        self._routes: dict[str, tuple] = {}
+        self._class_routes: tuple | None = None
+        self._cache: dict = {}  # the cost model's per-class tables (cost.py), shared by the choice and predictions
+
+    # ----------------------------------------------------------------------------------------- routes
+
+    @property
+    def routes(self) -> tuple:
+        """Per tensor, in this plan's mode: "forward", "direct" (the reshard path) or "broadcast"."""
+        return self.routes_for(self.mode)
+
+    @property
+    def paths(self) -> tuple:
+        """Per tensor, in this plan's mode: "reshard" or "broadcast"."""
+        key = ("paths", self.mode)
+        out = self._routes.get(key)
+        if out is None:
+            out = self._routes[key] = tuple("broadcast" if r == "broadcast" else "reshard" for r in self.routes)
+        return out
+
+    def routes_for(self, mode: str) -> tuple:
+        """Per tensor, the route it takes in `mode` (any mode, from this plan's classes and topology)."""
+        out = self._routes.get(mode)
+        if out is None:
+            tensors = self.src.manifest.tensors
+            if mode == "reshard" or mode == "broadcast":
+                out = ("forward" if mode == "reshard" else "broadcast",) * len(tensors)
+            elif mode == "hybrid":
+                out = tuple("forward" if self._rx.search(t.name) else "broadcast" for t in tensors)
+            elif mode == "auto":
+                per_class = self.class_routes()
+                out = tuple(per_class[i] for i in self.class_index()[1])
+            else:
+                raise ConfigError(f"unknown mode {mode!r} (modes: {', '.join(MODES)})", key="--mode")
+            self._routes[mode] = out
+        return out
+
+    def class_routes(self) -> tuple:
+        """Auto's route per tensor class (in `class_index` order), chosen by the cost model from the topology's
+        links (`cost.choose_routes`); forward everywhere without link figures."""
+        if self._class_routes is None:
+            from reshard_cli.plan import cost  # the cost model imports this module
+
+            links, _why = cost.links_of(self.topology)
+            with no_gc():
+                classes = self.class_index()[0]
+                if links is None:
+                    self._class_routes = ("forward",) * len(classes)
+                else:
+                    self._class_routes = tuple(cost.choose_routes(self, links, self.bucket_bytes).routes)
+        return self._class_routes
 
     # ------------------------------------------------------------------------------------ reshard path
 
@@ -333,6 +622,30 @@ class Plan:
                                                  self.domains, self.dst.ranks, self._recv_doms)
         return c
 
+    def class_index(self) -> tuple[list[TensorClass], list[int]]:
+        """(every class, in order of first tensor; per tensor, its class's position in that list)."""
+        if self._index is None:
+            classes: list[TensorClass] = []
+            cid: list[int] = []
+            pos: dict[tuple, int] = {}
+            for t, (spec, sp, dp) in enumerate(zip(self.src.manifest.tensors, self.src.placements,
+                                                   self.dst.placements)):
+                key = (spec.shape, id(sp), id(dp))
+                i = pos.get(key)
+                if i is None:
+                    i = pos[key] = len(classes)
+                    classes.append(self.tensor_class(t))
+                cid.append(i)
+            self._index = (classes, cid)
+        return self._index
+
+    def itemsizes(self) -> list[int]:
+        """Bytes per element of every tensor."""
+        out = self._cache.get("items")
+        if out is None:
+            out = self._cache["items"] = [t.itemsize for t in self.src.manifest.tensors]
+        return out
+
     def unique_boxes(self, shape: tuple, p: Placement) -> list[tuple[Box, tuple]]:
         """The non-empty boxes of a placement, each with the ranks holding it (replicas), first holder first."""
         key = (shape, id(p))
@@ -342,8 +655,9 @@ class Plan:
         return boxes
 
     def tensor_pieces(self, t: int) -> list[Piece]:
-        """Every piece of tensor `t` (its reshard-path geometry, whatever its path in this mode)."""
-        return self.tensor_class(t).pieces(t)
+        """Every piece of tensor `t`: its reshard-path geometry (direct where its route is direct, else with
+        forwarding), whatever its path in this mode."""
+        return self.tensor_class(t).pieces(t, self.routes[t] == "direct")
 
     def bcast(self, t: int) -> Bcast:
         """The gather→broadcast of tensor `t`."""
@@ -352,16 +666,19 @@ class Plan:
     # -------------------------------------------------------------------------------------- rank views
 
     def rank_view(self, rank: int) -> RankView:
-        """Only what touches `rank`; equals the global plan restricted to it (no global pass over pieces)."""
+        """Only what touches `rank`; equals the global plan restricted to it (no global pass over pieces; in mode
+        auto the route choice itself weighs every class once, see `class_routes`)."""
         pieces: list[Piece] = []
         bcasts: list[Bcast] = []
         is_dst = rank in self.dst.ranks
+        routes = self.routes
         for t, (sp, dp) in enumerate(zip(self.src.placements, self.dst.placements)):
-            if self.paths[t] == "reshard":
+            route = routes[t]
+            if route != "broadcast":
                 if rank in sp.holder_set:
-                    pieces.extend(self.tensor_class(t).rank_pieces(t, rank))
+                    pieces.extend(self.tensor_class(t).rank_pieces(t, rank, route == "direct"))
                 elif rank in dp.holder_set:
-                    pieces.extend(self.tensor_class(t).dst_pieces(t, rank))
+                    pieces.extend(self.tensor_class(t).dst_pieces(t, rank, route == "direct"))
             elif is_dst or rank in sp.holder_set:
                 bc = self.bcast(t)
                 if bc.root >= 0 and (is_dst or rank == bc.root or any(s == rank for s, _ in bc.gather)):
@@ -370,13 +687,13 @@ class Plan:
 
     def pieces(self) -> Iterator[Piece]:
         """All reshard-path pieces of this mode, tensor by tensor."""
-        for t, path in enumerate(self.paths):
-            if path == "reshard":
-                yield from self.tensor_class(t).pieces(t)
+        for t, route in enumerate(self.routes):
+            if route != "broadcast":
+                yield from self.tensor_class(t).pieces(t, route == "direct")
 
     def bcasts(self) -> Iterator[Bcast]:
-        for t, path in enumerate(self.paths):
-            if path == "broadcast":
+        for t, route in enumerate(self.routes):
+            if route == "broadcast":
                 yield self.bcast(t)
 
     # ------------------------------------------------------------------------------------- statistics
@@ -387,29 +704,47 @@ class Plan:
         Tensors of one class with the same rotation residue have identical loads, so each (class, residue)
         is evaluated once and scaled by the bytes per element of its tensors.
         """
+        with no_gc():
+            return self._stats()
+
+    def _stats(self) -> dict:
         t0 = time.perf_counter()
         tensors = self.src.manifest.tensors
-        groups: dict[tuple, list] = defaultdict(lambda: [0, 0])  # (class, path, residue) -> [tensors, Σ item]
+        classes, cid = self.class_index()
+        routes = self.routes
+        groups: dict[tuple, list] = defaultdict(lambda: [0, 0])  # (class, route, residue) -> [tensors, Σ item]
         baseline: dict[tuple, int] = defaultdict(int)  # (class, residue) -> Σ item, for broadcast_wire_bytes
         per_path = {p: {"tensors": 0, "bytes": 0, "wire_bytes": 0, "indomain_bytes": 0, "pieces": 0}
                     for p in ("reshard", "broadcast")}
+        per_route = {r: {"classes": 0, "tensors": 0, "bytes": 0} for r in ROUTES}
+        route_classes: set = set()
         min_wire = 0
         ideal: dict[int, float] = defaultdict(float)
-        for t, spec in enumerate(tensors):
-            item = spec.itemsize
-            c = self.tensor_class(t)
-            min_wire += c.min_wire * item
-            baseline[(c, t % c.bn)] += item
-            path = self.paths[t]
-            per_path[path]["tensors"] += 1
-            per_path[path]["bytes"] += spec.nbytes
-            g = groups[(c, path, t % (c.n if path == "reshard" else c.bn))]
+        geo = [c.min_wire for c in classes]
+        bn = [c.bn for c in classes]
+        n = [c.n for c in classes]
+        numel = [c.numel for c in classes]
+        path_of = {"forward": per_path["reshard"], "direct": per_path["reshard"], "broadcast": per_path["broadcast"]}
+        for t, (item, i, route) in enumerate(zip(self.itemsizes(), cid, routes)):
+            min_wire += geo[i] * item
+            baseline[(i, t % bn[i])] += item
+            nbytes = numel[i] * item
+            pp = path_of[route]
+            pp["tensors"] += 1
+            pp["bytes"] += nbytes
+            pr = per_route[route]
+            pr["tensors"] += 1
+            pr["bytes"] += nbytes
+            if (i, route) not in route_classes:
+                route_classes.add((i, route))
+                pr["classes"] += 1
+            g = groups[(i, route, t % (bn[i] if route == "broadcast" else n[i]))]
             g[0] += 1
             g[1] += item
         send: dict[int, int] = defaultdict(int)
         recv: dict[int, int] = defaultdict(int)
         recv_all = 0
-        per_class: dict[TensorClass, list] = defaultdict(lambda: [0, 0])  # reshard: Σ over residues
+        per_class: dict[tuple, list] = defaultdict(lambda: [0, 0])  # reshard: Σ over residues
 
         def add(path: str, loads: _Loads, count: int, items: int) -> None:
             nonlocal recv_all
@@ -423,25 +758,31 @@ class Plan:
                 recv[r] += v * items
             recv_all += loads.recv_all * items
 
-        for (c, path, residue), (count, items) in groups.items():
-            if path == "reshard":
-                add(path, c.reshard_loads(residue), count, items)
-                pc = per_class[c]
+        for (i, route, residue), (count, items) in groups.items():
+            c = classes[i]
+            if route != "broadcast":  # who sends the rotating entries; the rest once per class, below
+                for sd, ph, v in c._rotating(route == "direct" and c.splits)[3]:
+                    send[sd[(residue + ph) % len(sd)]] += v * items
+                pc = per_class[(i, route)]
                 pc[0] += count
                 pc[1] += items
             else:
                 loads = c.bcast_loads(residue)
-                add(path, loads, count, items)
+                add("broadcast", loads, count, items)
                 for r, v in loads.send.items():
                     ideal[r] += v * items
-        for c, (count, items) in per_class.items():  # entries with one possible sender: once per class
-            add("reshard", c.reshard_loads(None), count, items)
-            for r, v in c.ideal_send().items():
+        for (i, route), (count, items) in per_class.items():  # entries with one possible sender: once per class
+            c = classes[i]
+            add("reshard", c.reshard_loads(None, route == "direct"), count, items)
+            wire, indomain, rot_recv, _by, pieces = c._rotating(route == "direct" and c.splits)
+            if pieces:
+                add("reshard", _Loads(wire, indomain, pieces, {}, rot_recv), count, items)
+            for r, v in c.ideal_send(route == "direct").items():
                 ideal[r] += v * items
         if recv_all:
             for r in self.dst.ranks:
                 recv[r] += recv_all
-        bcast_wire = sum(c.bcast_loads(res).wire * items for (c, res), items in baseline.items())
+        bcast_wire = sum(classes[i].bcast_wire(res) * items for (i, res), items in baseline.items())
         path_bytes = {p: v["bytes"] for p, v in per_path.items()}
         nbytes = self.src.manifest.nbytes
         # ideal send: each network piece split evenly over the source replicas that hold it (the best any
@@ -473,5 +814,20 @@ class Plan:
             "rank_bytes": {r: {"send": send.get(r, 0), "recv": recv.get(r, 0)}
                            for r in self.src.ranks + self.dst.ranks},
         }
+        if self.mode == "auto":  # which route each class took: bytes, tensors and classes per route
+            out["routes"] = per_route
+            out["routes_by"] = self._routes_by()
         out["plan_seconds"] = time.perf_counter() - t0
         return out
+
+    def _routes_by(self) -> str:
+        """What decided auto's routes, in words."""
+        from reshard_cli.plan import cost
+
+        links, _why = cost.links_of(self.topology)
+        if links is None:
+            return "no link figures to weigh: forward everywhere (the fewest network bytes)"
+        ch = cost.choose_routes(self, links, self.bucket_bytes)
+        moved = sum(r != "forward" for r in ch.routes)
+        return (f"chosen by the cost model, class by class: {moved} of {len(ch.routes)} classes off forward, predicted "
+                f"{cost.fmt_seconds(ch.seconds)} (forward everywhere {cost.fmt_seconds(ch.reshard_seconds)})")

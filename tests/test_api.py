@@ -105,3 +105,4 @@ def test_own_group_needs_reshard_mode():
 
     with pytest.raises(ConfigError, match="mode reshard"):
         Refit(role="idle", mode="hybrid", group=GroupComm(None, 0, 1))
+    assert Refit(role="idle", group=GroupComm(None, 0, 1)).mode == "reshard"  # auto, the default: reshard path only

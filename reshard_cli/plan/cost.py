@@ -14,9 +14,10 @@ The model, path by path, as `transport.py` runs it:
   rank, max(bytes sent, bytes received) / bandwidth + max(messages sent, messages received) × latency.
   Messages are the transport's buckets: the bytes between one pair of ranks in one phase, in buckets of half
   the staging budget (`bucket_bytes`, default 64 MiB → 32 MiB messages).
-  The current transport starts phase 1 on a rank after its phase 0, so the phases **add**:
-  max(network, phase-0 NVLink) + forwards. A transport that forwards each bucket as soon as it lands
-  ("pipelined") would reach max(network, all NVLink) — reported beside it.
+  The "time" figure lets the phases **add**: max(network, phase-0 NVLink) + forwards — what a transport
+  that forwards after its whole phase 0 takes, an upper bound. The transport forwards each bucket as soon as
+  it lands, so it can reach the "pipelined" figure, max(network, all NVLink), reported beside it; auto
+  weighs routes by the upper bound, which never flatters forwarding.
 * **broadcast path** — packs (broadcast tensors with one root, up to half a bucket: the transport's
   packing) go one after another. Each pack is first gathered on its root (blocking receives, one
   message per source box, NVLink when the sender shares the root's domain, network otherwise), then

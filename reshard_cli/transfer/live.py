@@ -44,17 +44,21 @@ class RefitStats:
 
 class Refit:
     def __init__(self, role: str, *, src: str | Path | Layout | None = None, dst: str | Path | Layout | None = None,
-                 topology: str | Path | Topology | None = None, mode: str = "hybrid", bucket_mb: float = 64,
+                 topology: str | Path | Topology | None = None, mode: str = "auto", bucket_mb: float = 64,
                  reshard_match: str | None = None, device: torch.device | str | None = None,
                  group: GroupComm | None = None):
         """`group`: a refit group of its own (`transfer.comm.refit_group`) instead of the default process group,
         for processes whose default group belongs to someone else (an inference engine's workers). Ranks in
-        the layouts, and a DTensor mesh's ranks, are then the group's ranks; the mode must be `reshard`."""
+        the layouts, and a DTensor mesh's ranks, are then the group's ranks; the broadcast route needs the
+        default group, so there mode `auto` (the default) plans the reshard path only and other modes than
+        `reshard` are refused."""
         if role not in ("src", "dst", "idle"):
             raise ConfigError(f"role must be 'src', 'dst' or 'idle', not {role!r}", key="role")
         if group is None and not dist.is_initialized():
             raise ConfigError("call torch.distributed.init_process_group before creating a Refit, or pass group=",
                               key="Refit")
+        if group is not None and mode == "auto":
+            mode = "reshard"
         if group is not None and mode != "reshard":
             raise ConfigError(f"a refit over its own group runs in mode reshard, not {mode!r}", key="mode")
         self.comm = group if group is not None else WORLD
@@ -121,7 +125,8 @@ class Refit:
         overlap = set(src.ranks) & set(dst.ranks)
         if overlap:
             raise ConfigError(f"src and dst ranks overlap (rank {min(overlap)})", key="ranks")
-        self.plan = Plan(src, dst, self.topology, mode=self.mode, reshard_match=self.reshard_match)
+        self.plan = Plan(src, dst, self.topology, mode=self.mode, reshard_match=self.reshard_match,
+                         bucket_bytes=self.options.bucket_bytes)
         # What this rank passed is checked against the plan before anything moves; every rank learns of any
         # rank's mistake (one line, the same everywhere) instead of waiting for a peer that gave up.
         error = None

@@ -47,7 +47,7 @@ from reshard_cli.transfer.shards import read_source_shards, sentinel_buffers
 class RunOptions(JobOptions):
     src: Path
     dst: Path
-    mode: str = "hybrid"
+    mode: str = "auto"
     source: str | None = None
     out: Path | None = None
     overwrite: bool = False
@@ -105,7 +105,8 @@ def worker(opts: RunOptions) -> dict | None:
                              f"dst {dst_l.ranks[0]}-{dst_l.ranks[-1]}"
                              f"{' in the engine at ' + dst_l.engine_url if dst_l.engine_url else ''})")
         topo = load_topology(opts.topology) if opts.topology and not auto else NO_TOPOLOGY
-        plan = Plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match)
+        plan = Plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match,
+                    bucket_bytes=opts.transfer.bucket_bytes)
         return plan, launcher.pick_backend(opts.backend)
 
     plan, backend = launcher.prepare(validate)

@@ -13,7 +13,7 @@ from reshard_cli.transfer import verify
 from reshard_cli.io.check import blocks, check_output
 from reshard_cli.plan.geometry import Box
 from reshard_cli.spec.layout import load_pair
-from reshard_cli.io.sources import synthetic_values
+from reshard_cli.io.sources import open_source, synthetic_values
 
 TRAIN, INFER = ROOT / "layouts/demo/train.yaml", ROOT / "layouts/demo/infer.yaml"
 
@@ -248,3 +248,203 @@ def test_manifest_for_other_layouts(copy, monkeypatch, capsys, tmp_path):
     assert r.returncode == 1
     assert "output: manifest's dst ranks 4-7 differ from the dst layout's 8-11" in r.stdout
     assert "rank 8 (rank-00000.safetensors): manifest says global rank 4, the dst layout has 8" in r.stdout
+
+
+# ------------------------------------------------------------------------------------------------ fast paths
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
+
+
+def _random_region(g, dtype, ndim, wide=False):
+    """A random global shape, a box inside it (offsets often non-zero) and random raw bits for the box."""
+    shape = tuple(int(torch.randint(1, 12, (), generator=g)) for _ in range(ndim))
+    if wide and ndim:  # more columns than one float64 step of the checksum (65536)
+        shape = shape[:-1] + (70003,)
+    offs = tuple(int(torch.randint(0, n, (), generator=g)) for n in shape)
+    sizes = tuple(int(torch.randint(1, n - o + 1, (), generator=g)) for n, o in zip(shape, offs))
+    n = torch.Size(sizes).numel()
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    x = (raw[:n] & 1).bool() if dtype == torch.bool else raw.view(dtype)
+    return shape, Box(offs, sizes), x.reshape(sizes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fast_checksum_is_bit_identical(dtype):
+    """RowChecksum / checksum_block give exactly verify.checksum: any dtype, 0-4 dims, offsets, > 65536 columns,
+    strided input, rows fed in chunks or as row sums."""
+    g = torch.Generator().manual_seed(7)
+    buf = verify.checksum_buffer()
+    for trial in range(40):
+        ndim = trial % 5
+        shape, box, x = _random_region(g, dtype, ndim, wide=trial % 7 == 3)
+        want = verify.checksum(x, box, shape)
+        assert verify.checksum_block(x, box, shape) == want, (shape, box)
+        assert verify.checksum_block(x, box, shape, buf) == want
+        if ndim >= 2:  # a strided view of the same values
+            xt = x.transpose(0, -1).contiguous().transpose(0, -1)
+            assert not xt.is_contiguous() or x.shape[0] == 1 or x.shape[-1] == 1
+            assert verify.checksum_block(xt, box, shape, buf) == want
+        cs = verify.RowChecksum(box, shape, x.element_size(), buf)
+        rows = x.reshape(cs.rows.numel(), cs.ncols)
+        half = rows.shape[0] // 2
+        cs.update(0, rows[:half])
+        cs.set_row_sums(half, cs.row_sums(rows[half:]))
+        assert cs.value() == want
+
+
+def test_fast_checksum_block_sizes():
+    """The checksum of a shard fed block by block (check's blocks) equals the checksum of the whole shard."""
+    g = torch.Generator().manual_seed(3)
+    shape, box = (10, 40, 7), Box((3, 11, 2), (6, 25, 5))
+    x = torch.randn(box.sizes, generator=g).to(torch.bfloat16)
+    want = verify.checksum(x, box, shape)
+    for limit in (1, 5, 6, 7, 35, 1000, 1 << 20):
+        total = 0
+        for offs, sizes in blocks(box.sizes, limit):
+            sub = Box(tuple(o + a for o, a in zip(box.offsets, offs)), sizes)
+            total += verify.checksum_block(x[tuple(slice(a, a + s) for a, s in zip(offs, sizes))], sub, shape)
+        assert total & ((1 << 64) - 1) == want, limit
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2, torch.float64, torch.int8, torch.int32, torch.int64,
+                                   torch.uint8, torch.bool], ids=str)
+def test_fast_synthetic_values_are_the_generator_s(dtype):
+    """Blocks generated from one period of the synthetic values equal synthetic_values bit for bit (seeds,
+    tensor indices, 1-3 dims, flat indices past 2^32), and the row sums taken from them give the checksum."""
+    from reshard_cli.io.check import _Scratch, _SyntheticBlocks
+
+    scratch = _Scratch()
+    cases = [((5000,), Box((123,), (4000,))), ((1 << 40,), Box(((1 << 35) + 77,), (3000,))),
+             ((300, 256), Box((17, 0), (200, 256))), ((256, 1000), Box((0, 500), (256, 500))),
+             ((7, 9, 11), Box((1, 2, 3), (5, 6, 7))), ((3, 70000), Box((1, 3), (2, 69990))),
+             ((1 << 20, 4096), Box(((1 << 20) - 8, 1024), (8, 1024)))]
+    # rows that repeat (width times row, mod 2^16): the row sums come from the distinct rows
+    repeating = [((2000, 256), Box((5, 0), (1500, 256))), ((600, 2048), Box((0, 1024), (300, 1024))),
+                 ((4, 300, 512), Box((1, 0, 0), (2, 300, 512)))]
+    for t, seed in [(0, 0), (5, 3), (112, -7), (1000, 123456789)]:
+        for shape, box in cases + (repeating if seed == 3 else []):
+            gen = _SyntheticBlocks.make(t, shape, dtype, seed, box)
+            assert gen is not None
+            rows = verify.row_ids(box, shape)
+            like = torch.empty(rows.numel(), box.sizes[-1], dtype=dtype)
+            got, row_sums = gen.block(box, rows, like, scratch)
+            want = synthetic_values(t, box, shape, dtype, seed).reshape(like.shape)
+            assert verify.differing(got, want) is None, (t, seed, shape, box)
+            cs = verify.RowChecksum(box, shape, dtype.itemsize, None, rows)
+            sums = row_sums(cs)
+            repeats = rows.numel() >= 2 * len(set(((rows * shape[-1] + box.offsets[-1]) % (1 << 16)).tolist()))
+            assert (sums is not None) == repeats and (repeats or (shape, box) in cases), (shape, box)
+            if sums is None:
+                cs.update(0, got)
+            else:
+                cs.set_row_sums(0, sums)
+            assert cs.value() == verify.checksum(want.reshape(box.sizes), box, shape)
+
+
+def test_same_bits_any_alignment():
+    """The int64-word comparison is exact for blocks at any address (a file's tensor starts wherever the header
+    says), strided sources, and differences in the head, body or tail bytes."""
+    from reshard_cli.io.check import _Scratch, _same_bits
+
+    scratch = _Scratch()
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float64):
+        item = dtype.itemsize
+        for shift in range(0, 16, item):
+            for rows, cols in ((3, 5), (4, 8), (1, 1), (7, 12)):
+                n = rows * cols * item
+                raw = torch.randint(0, 256, (n + 16,), dtype=torch.uint8, generator=g)
+                got = raw[shift:shift + n].view(dtype).view(rows, cols)
+                wide = torch.zeros(rows, cols + 8, dtype=dtype)  # strided sources, word-aligned rows or not
+                wide[:, 3:3 + cols] = got
+                wide[:, 8 // item:8 // item + cols] = got
+                for want in (got.clone(), wide[:, 3:3 + cols], wide[:, 8 // item:8 // item + cols]):
+                    same = verify.differing(got, want) is None
+                    assert _same_bits(got, want, scratch) == same
+                    for pos in {0, n // item // 2, n // item - 1}:
+                        bad = want.clone()
+                        bad.view(-1).view(torch.uint8)[pos * item] ^= 1
+                        assert not _same_bits(got, bad, scratch)
+
+
+def test_mapped_file_views(tmp_path):
+    """A rank file's tensors as views of the mapped file equal what safetensors reads (every dtype, empty and
+    scalar tensors); a header our parser refuses is a ConfigError, and check then reads through safe_open."""
+    from reshard_cli.errors import ConfigError
+    from reshard_cli.io.mapped import MappedSafetensors
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"t{i}": _random_region(g, dt, i % 4)[2].clone() for i, dt in enumerate(DTYPES)}
+    tensors["empty"] = torch.zeros(0, 4)
+    tensors["odd"] = torch.arange(7, dtype=torch.int16).to(torch.bfloat16)  # the next bf16 tensor: not 8-aligned
+    save_file(tensors, tmp_path / "f.safetensors")
+    with MappedSafetensors(tmp_path / "f.safetensors") as m:
+        back = load_file(tmp_path / "f.safetensors")
+        for name, x in back.items():
+            v = m.tensor(name)
+            assert v is not None and v.dtype == x.dtype and v.shape == x.shape and verify.differing(v, x) is None
+        assert m.tensor("nope") is None
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(ConfigError):
+        MappedSafetensors(tmp_path / "bad.safetensors")
+
+
+@pytest.fixture(scope="module")
+def ckpt(good, tmp_path_factory):
+    src, dst, out = good
+    src_l, _ = load_pair(src, dst)
+    path = tmp_path_factory.mktemp("ckpt") / "ckpt.safetensors"
+    save_file({s.name: synthetic_values(t, Box.full(s.shape), s.shape, s.dtype, 0) + 0
+               for t, s in enumerate(src_l.manifest.tensors)}, path)
+    return path
+
+
+O = "layers.0.attn.o_proj.weight"  # [6, 9], Shard(1) on tp: rank-00001 holds columns 5:9 (a strided source view)
+
+
+@pytest.mark.parametrize("source", ["synthetic", "safetensors", "shards"])
+@pytest.mark.parametrize("tensor, element, first, local", [(Q, 7, [6, 1], [1, 1]), (O, 9, [2, 6], [2, 1]),
+                                                           (O, 0, [0, 5], [0, 0])])
+def test_flipped_byte_every_source(copy, ckpt, tmp_path, source, tensor, element, first, local):
+    """The same damage is found the same way whatever the source (generated, a mapped checkpoint, a copy of the
+    output read with Source.read), and the reported checksum is the file's."""
+    src, dst, out = copy
+    pristine = tmp_path / "pristine"
+    shutil.copytree(out, pristine)
+    _flip_byte(out / "rank-00001.safetensors", tensor, element)
+    spec = {"synthetic": "synthetic", "safetensors": f"safetensors:{ckpt}", "shards": f"shards:{pristine}"}[source]
+    src_l, dst_l = load_pair(src, dst)
+    with open_source(spec, src_l) as s:  # the checkpoint is read in place, the shard directory with read()
+        assert (s.view(src_l.manifest.index(tensor)) is not None) == (source == "safetensors")
+    res = check_output(src_l, dst_l, out, spec)
+    values = [p for p in res.problems if p.kind == "values"]
+    assert [(p.rank, p.tensor, p.count, p.first_index, p.local_index) for p in values] == \
+        [(5, tensor, 1, first, local)]
+    shard = load_file(out / "rank-00001.safetensors")[tensor]
+    t = dst_l.manifest.index(tensor)
+    box = dst_l.placements[t].box_of(dst_l.manifest.tensors[t].shape, 5)
+    csum = verify.fmt(verify.checksum(shard, box, dst_l.manifest.tensors[t].shape))
+    checks = [p for p in res.problems if p.kind == "checksum"]
+    assert len(checks) == 1 and f"checksum of the file's shard is {csum}" in checks[0].message
+    assert len(res.problems) == 2
+
+
+def test_flipped_byte_in_repeating_rows(tmp_path):
+    """The demo's embedding shard [1024, 256] (bf16): its rows repeat, so good blocks take their checksum from
+    the synthetic values; a damaged block takes it from the file, and the total is still the file's checksum."""
+    out = tmp_path / "out"
+    src_l, dst_l = make_output(TRAIN, INFER, out)
+    name = "model.embed_tokens.weight"
+    _flip_byte(out / "rank-00000.safetensors", name, 1000 * 256 + 3)
+    shard = load_file(out / "rank-00000.safetensors")[name]
+    t = dst_l.manifest.index(name)
+    spec = dst_l.manifest.tensors[t]
+    csum = verify.fmt(verify.checksum(shard, dst_l.placements[t].box_of(spec.shape, dst_l.ranks[0]), spec.shape))
+    for block in (1 << 16, 1 << 22):
+        res = check_output(src_l, dst_l, out, block_elems=block)
+        assert [(p.kind, p.tensor) for p in res.problems] == [("values", name), ("checksum", name)]
+        assert (res.problems[0].count, res.problems[0].first_index) == (1, [1000, 3])
+        assert f"checksum of the file's shard is {csum}" in res.problems[1].message

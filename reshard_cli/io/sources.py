@@ -105,6 +105,11 @@ class Source:
         """`read` for several (tensor, box) pairs; sources that can batch override this."""
         return [self.read(t, box) for t, box in requests]
 
+    def view(self, t: int) -> torch.Tensor | None:
+        """The whole tensor `t` without copying it (e.g. a view of a memory-mapped file; do not write to it),
+        or None when this source cannot give one: then `read` boxes."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -241,6 +246,7 @@ class SafetensorsSource(Source):
         self.files = files
         self.description = f"safetensors {shown} ({len(files)} file{'s' if len(files) != 1 else ''})"
         self._handles = _Handles()
+        self._maps: dict[Path, Any] = {}  # file -> MappedSafetensors, for `view`
 
     def _load_index(self, index: Path) -> list[Path]:
         self._file_of.update(read_safetensors_index(index))
@@ -269,8 +275,31 @@ class SafetensorsSource(Source):
             raise ConfigError(f"tensor {spec.name!r} is missing", file=self._where)
         return _read_slice(self._handles, f, spec.name, box.slices(), box.sizes, _torch_dtype(spec.dtype), str(box))
 
+    def view(self, t: int) -> torch.Tensor | None:
+        """Tensor `t` as a view of its file mapped into memory (`io.mapped`); None when it is not stored with
+        the manifest's shape and dtype or its bytes are misaligned (then `read` says what is wrong, or copies)."""
+        from reshard_cli.io.mapped import MappedSafetensors
+        spec = self._spec(t)
+        f = self._file_of.get(spec.name)
+        if f is None:
+            return None
+        if f not in self._maps:
+            try:
+                self._maps[f] = MappedSafetensors(f)
+            except (ConfigError, OSError, ValueError):
+                self._maps[f] = None
+        m = self._maps[f]
+        x = m.tensor(spec.name) if m is not None else None
+        if x is None or tuple(x.shape) != spec.shape or x.dtype != _torch_dtype(spec.dtype):
+            return None
+        return x
+
     def close(self) -> None:
         self._handles.close()
+        for m in self._maps.values():
+            if m is not None:
+                m.close()
+        self._maps.clear()
 
 
 # ----------------------------------------------------------------------------------------------- shards

@@ -106,10 +106,19 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ reshard path
 
+    def _direct(self, op) -> torch.Tensor | None:
+        """The tensor region a one-item message is sent from / received into when it is contiguous here."""
+        if len(op.items) != 1:
+            return None
+        t, box, _ = op.items[0]
+        # a forward reads what this rank received; a phase-0 send reads the source
+        v = (self._dst_view if op.after is not None or not op.send else self._src_view)(t, box)
+        return v if v.is_contiguous() else None
+
     def _staging_ring(self) -> "_Ring":
         if self._ring is None:
-            need = sum(schedule.align(op.nbytes) for op in self.ops)  # an upper bound: direct ones need none
-            cap = min(need, max(self.options.bucket_bytes, schedule.ALIGN))
+            need = sum(schedule.align(op.nbytes) for op in self.ops if self._direct(op) is None)
+            cap = max(min(need, self.options.bucket_bytes), schedule.ALIGN)
             self._ring = _Ring(torch.empty(cap, dtype=torch.uint8, device=self.device))
             self.peak_staging_bytes = max(self.peak_staging_bytes,
                                           cap + sum(b.numel() for b in self._staging))
@@ -118,22 +127,16 @@ class Engine:
     def run_reshard(self) -> None:
         if not self.ops:
             return
-        ring = self._staging_ring()
         self._fresh_views()
+        ring = self._staging_ring()
         pending: deque = deque()
         window = self.options.window
         for op in self.ops:
             if op.after is not None:  # a forward: the message that brings its data must have landed
                 while pending and pending[0][1].key <= op.after:
                     self._finish(pending.popleft(), ring)
-            # a forward reads what this rank received; a phase-0 send reads the source
             read = self._dst_view if op.after is not None else self._src_view
-            direct = None
-            if len(op.items) == 1:
-                t, box, _ = op.items[0]
-                v = read(t, box) if op.send else self._dst_view(t, box)
-                if v.is_contiguous():
-                    direct = v
+            direct = self._direct(op)
             while len(pending) >= window:
                 self._finish(pending.popleft(), ring)
             if direct is not None:

@@ -36,7 +36,7 @@ from reshard_cli.transfer.shards import LocalShard
 
 @dataclass
 class RefitStats:
-    seconds: float
+    seconds: float  # this rank's wall time of the refit
     bytes_sent: int  # by this rank, this refit
     checksums_ok: bool | None  # None when not verified
     bytes_received: int = 0  # by this rank, this refit
@@ -83,13 +83,13 @@ class Refit:
         else:
             self._rebind(tensors)
         self.engine.bytes_sent = self.engine.bytes_received = 0  # this refit's, not a running total
-        self.comm.barrier()
+        # No barriers: the messages themselves order the ranks. When this returns, this rank's part is done
+        # (a destination's buffers hold the new weights; a source may change its tensors again).
         t0 = time.perf_counter()
         self.engine.run_reshard()
         self.engine.run_broadcast()
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
-        self.comm.barrier()
         stats = RefitStats(time.perf_counter() - t0, self.engine.bytes_sent, None, self.engine.bytes_received)
         if verify_checksums:
             stats.checksums_ok = self._verify()

@@ -78,7 +78,7 @@ def test_forwards_by_hand(tmp_path):
     fwd = 512 * 1024 / 10e9 + 1 * 100e-6  # 1 message: both sub-pieces to the same peer in one bucket
     assert r.network_s == pytest.approx(net, rel=1e-12)
     assert r.forward_s == pytest.approx(fwd, rel=1e-12)
-    assert r.seconds == pytest.approx(net + fwd, rel=1e-12)  # the current transport: phases add
+    assert r.seconds == pytest.approx(net + fwd, rel=1e-12)  # the time figure: phases add (an upper bound)
     assert r.pipelined_seconds == pytest.approx(max(net, fwd), rel=1e-12)
     pred = _predict(src, dst, mode="reshard")
     assert pred.bound.seconds == pytest.approx(MiB / 2e9, rel=1e-12)  # the whole tensor enters domain 1 once

@@ -125,7 +125,7 @@ def with_measured_links(topology: Topology, *, network_gbps: float, nvlink_gbps:
 @dataclass
 class ModeCost:
     mode: str
-    seconds: float  # the current transport: phase 1 after phase 0, broadcast path after the reshard path
+    seconds: float  # upper bound: phase 1 after phase 0, broadcast path after the reshard path
     pipelined_seconds: float  # forwards overlapped with the network phase, gathers with broadcasts
     network_s: float  # reshard path, phase 0 over the network (busiest rank, with its message latency)
     nvlink0_s: float  # reshard path, phase 0 inside domains
@@ -927,8 +927,9 @@ def prediction_text(pred: Prediction) -> str:
         f"  predicted     {pred.topology} links: {pred.links.describe()}  (predicted in "
         f"{pred.seconds * 1e3:.0f} ms)",
         _table(["mode", "time", "pipelined", "network", "in-domain", "broadcast", "vs bound", "bound by"], rows),
-        "  (time: the current transport, forwards after the network phase and the broadcast path after the",
-        "   reshard path; pipelined: forwards overlapped with the network phase, gathers with broadcasts)",
+        "  (time: forwards after the network phase and the broadcast path after the reshard path, an upper",
+        "   bound; pipelined: forwards overlapped with the network phase, as the transport forwards each",
+        "   bucket as it lands, and gathers with broadcasts)",
         f"  lower bound   {fmt_seconds(lb)}  {pred.bound.resource}"
         f"  (ingress {fmt_seconds(pred.bound.ingress_s)}, egress {fmt_seconds(pred.bound.egress_s)})",
     ]

@@ -32,7 +32,8 @@ def test_demo_run_out_json_and_feed_back(tmp_path):
                 "link_limit_gbps", "checksums", "paths"):
         assert key in doc
     assert doc["wrong"] == 0 and set(doc["checksums"]) == {"2", "3"}
-    assert set(doc["paths"]) == {"reshard", "broadcast"}
+    # the default mode auto, with no topology to weigh routes by, sends everything on the reshard path
+    assert doc["mode"] == "auto" and set(doc["paths"]) == {"reshard"}
     man = json.loads((out / "manifest.json").read_text())
     assert [r["file"] for r in man["ranks"]] == ["rank-00000.safetensors", "rank-00001.safetensors"]
     # the files hold exactly the slices the manifest describes

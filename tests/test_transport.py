@@ -16,7 +16,7 @@ def reference(manifest):
     return out
 
 
-def _refit(rank, world, src_path, dst_path, modes, topologies, bucket_bytes):
+def _refit(rank, world, src_path, dst_path, modes, topologies, bucket_bytes, direct_min_bytes=1 << 20):
     from reshard_cli.spec.layout import load_pair
     from reshard_cli.plan.planner import Plan
     from reshard_cli.spec.topology import Topology
@@ -43,7 +43,8 @@ def _refit(rank, world, src_path, dst_path, modes, topologies, bucket_bytes):
                     if buf.numel():
                         buf.reshape(-1).view(torch.uint8).fill_(0xA5)
                     dst_shards[t] = LocalShard(box, buf)
-            engine = Engine(plan, rank, src_shards, dst_shards, options=TransferOptions(bucket_bytes=bucket_bytes))
+            engine = Engine(plan, rank, src_shards, dst_shards,
+                            options=TransferOptions(bucket_bytes=bucket_bytes, direct_min_bytes=direct_min_bytes))
             engine.setup_groups()
             for _ in range(2):  # a second refit reuses the plan and buffers
                 engine.run_reshard()
@@ -65,4 +66,13 @@ def test_every_mode_exact(tmp_path, pair, world):
     # tiny buckets force splitting and packing; topologies exercise the in-domain second phase
     results = run_ranks(world, _refit, str(src_path), str(dst_path), ("reshard", "broadcast", "hybrid"),
                         (None, 2), 256)
+    assert all(not f for f in results.values()), results
+
+
+def test_direct_messages_and_pipelined_forwards_exact(tmp_path):
+    """Pieces large enough to travel alone (sent from / received into the tensors themselves, or staged at a
+    strided end), mixed with packed buckets, with destination replicas sharing a domain: each forward goes as
+    soon as the message that brings its data has landed, and everything lands exactly, twice."""
+    src_path, dst_path = write_pair(tmp_path, "pp2_ep2_to_dp2_tp2")
+    results = run_ranks(8, _refit, str(src_path), str(dst_path), ("reshard",), (2,), 1024, 16)
     assert all(not f for f in results.values()), results

@@ -214,23 +214,12 @@ def _refit_auto(rank, world, src_path, dst_path, rpd, links, bucket_bytes):
 
     from reshard_cli.plan.schedule import TransferOptions
     from reshard_cli.transfer.engine import Engine
-    from reshard_cli.transfer.shards import LocalShard
-    from test_transport import reference
+    from test_transport import local_shards, reference
 
     src, dst = load_pair(src_path, dst_path)
     ref = reference(src.manifest)
     plan = Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode="auto")
-    src_shards, dst_shards = {}, {}
-    for t, spec in enumerate(src.manifest.tensors):
-        if rank in src.placements[t].holder_set:
-            box = src.placements[t].box_of(spec.shape, rank)
-            src_shards[t] = LocalShard(box, ref[t][box.slices()].clone())
-        if rank in dst.placements[t].holder_set:
-            box = dst.placements[t].box_of(spec.shape, rank)
-            buf = torch.empty(box.sizes, dtype=ref[t].dtype)
-            if buf.numel():
-                buf.reshape(-1).view(torch.uint8).fill_(0xA5)
-            dst_shards[t] = LocalShard(box, buf)
+    src_shards, dst_shards = local_shards(src, dst, rank, ref)
     engine = Engine(plan, rank, src_shards, dst_shards, options=TransferOptions(bucket_bytes=bucket_bytes))
     engine.setup_groups()
     engine.run_reshard()

@@ -16,13 +16,30 @@ def reference(manifest):
     return out
 
 
+def local_shards(src, dst, rank: int, ref) -> tuple[dict, dict]:
+    """This rank's source shards (slices of `ref`) and sentinel-filled destination buffers."""
+    from reshard_cli.transfer.shards import LocalShard
+
+    src_shards, dst_shards = {}, {}
+    for t, spec in enumerate(src.manifest.tensors):
+        if rank in src.placements[t].holder_set:
+            box = src.placements[t].box_of(spec.shape, rank)
+            src_shards[t] = LocalShard(box, ref[t][box.slices()].clone())
+        if rank in dst.placements[t].holder_set:
+            box = dst.placements[t].box_of(spec.shape, rank)
+            buf = torch.empty(box.sizes, dtype=ref[t].dtype)
+            if buf.numel():
+                buf.reshape(-1).view(torch.uint8).fill_(0xA5)
+            dst_shards[t] = LocalShard(box, buf)
+    return src_shards, dst_shards
+
+
 def _refit(rank, world, src_path, dst_path, modes, topologies, bucket_bytes, direct_min_bytes=1 << 20):
     from reshard_cli.spec.layout import load_pair
     from reshard_cli.plan.planner import Plan
     from reshard_cli.spec.topology import Topology
     from reshard_cli.plan.schedule import TransferOptions
     from reshard_cli.transfer.engine import Engine
-    from reshard_cli.transfer.shards import LocalShard
 
     src, dst = load_pair(src_path, dst_path)
     ref = reference(src.manifest)
@@ -32,17 +49,7 @@ def _refit(rank, world, src_path, dst_path, modes, topologies, bucket_bytes, dir
         for rpd in topologies:
             topo = Topology(name="t", ranks_per_domain=rpd) if rpd else Topology()
             plan = Plan(src, dst, topo, mode=mode)
-            src_shards, dst_shards = {}, {}
-            for t, spec in enumerate(man):
-                if rank in src.placements[t].holder_set:
-                    box = src.placements[t].box_of(spec.shape, rank)
-                    src_shards[t] = LocalShard(box, ref[t][box.slices()].clone())
-                if rank in dst.placements[t].holder_set:
-                    box = dst.placements[t].box_of(spec.shape, rank)
-                    buf = torch.empty(box.sizes, dtype=ref[t].dtype)
-                    if buf.numel():
-                        buf.reshape(-1).view(torch.uint8).fill_(0xA5)
-                    dst_shards[t] = LocalShard(box, buf)
+            src_shards, dst_shards = local_shards(src, dst, rank, ref)
             engine = Engine(plan, rank, src_shards, dst_shards,
                             options=TransferOptions(bucket_bytes=bucket_bytes, direct_min_bytes=direct_min_bytes))
             engine.setup_groups()

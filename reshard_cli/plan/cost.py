@@ -189,6 +189,10 @@ class Prediction:
 # ---------------------------------------------------------------------------------------- the model
 
 
+# the per-entry columns of a class (`planner.Columns`) that `_Table` concatenates over classes
+_CONCAT = ("fsrc", "fdst", "fn", "fkind", "rsid", "rdst", "rn", "rkey", "rkind", "senders")
+
+
 class _Table:
     """The entries of some tensor classes (with forwarding, or direct) as flat arrays: what the model sums.
 
@@ -203,16 +207,8 @@ class _Table:
     def __init__(self, classes: list, direct: bool, world: int):
         np = _np()
         w, ww = world, world * world
-        fsrc: list[int] = []
-        fdst: list[int] = []
-        fn: list[int] = []
-        fkind: list[int] = []
-        rsid: list[int] = []
-        rdst: list[int] = []
-        rn: list[int] = []
-        rkey: list[int] = []
-        rkind: list[int] = []
-        senders: list[tuple] = []
+        cat: dict[str, list] = {f: [] for f in _CONCAT}  # every class's columns, one after another
+        fsrc, rsid, senders = cat["fsrc"], cat["rsid"], cat["senders"]
         fs, fc, rs, rc, sbase = [], [], [], [], []
         by_k: dict[int, tuple] = {}  # forward blocks by domain size k: (class positions, G rows, m rows)
         for pos, c in enumerate(classes):
@@ -229,25 +225,18 @@ class _Table:
             sbase.append(len(senders))
             fc.append(len(col.fsrc))
             rc.append(len(col.rsid))
-            fsrc += col.fsrc
-            fdst += col.fdst
-            fn += col.fn
-            fkind += col.fkind
-            rsid += col.rsid
-            rdst += col.rdst
-            rn += col.rn
-            rkey += col.rkey
-            rkind += col.rkind
-            senders += col.senders
+            for f, xs in cat.items():
+                xs += getattr(col, f)
         i64, f64 = np.int64, np.float64
         self.fs, self.fc, self.rs, self.rc = (np.array(x, dtype=i64) for x in (fs, fc, rs, rc))
-        self.fk = (np.array(fkind, dtype=i64) * ww + np.array(fsrc, dtype=i64) * w + np.array(fdst, dtype=i64))
-        self.fn = np.array(fn, dtype=f64)
-        self.rb = np.array(rkind, dtype=i64) * ww + np.array(rdst, dtype=i64)
+        self.fk = (np.array(cat["fkind"], dtype=i64) * ww + np.array(fsrc, dtype=i64) * w
+                   + np.array(cat["fdst"], dtype=i64))
+        self.fn = np.array(cat["fn"], dtype=f64)
+        self.rb = np.array(cat["rkind"], dtype=i64) * ww + np.array(cat["rdst"], dtype=i64)
         # a rotating row's senders: its class's first senders row + its position among the class's
         self.rsid = np.array(rsid, dtype=i64) + np.repeat(np.array(sbase, dtype=i64), self.rc)
-        self.rkey = np.array(rkey, dtype=i64)
-        self.rn = np.array(rn, dtype=f64)
+        self.rkey = np.array(cat["rkey"], dtype=i64)
+        self.rn = np.array(cat["rn"], dtype=f64)
         lens = np.array([len(x) for x in senders] or [1], dtype=i64)
         stab = np.zeros((max(len(senders), 1), int(lens.max())), dtype=i64)
         for j, x in enumerate(senders):

@@ -71,15 +71,19 @@ def global_index(box: Box, shape: tuple, rows: slice | None = None) -> torch.Ten
     return idx
 
 
+def _on_cpu(x: torch.Tensor, box: Box) -> torch.Tensor:
+    """`x` (which must have the box's shape) detached, on the CPU."""
+    if tuple(x.shape) != tuple(box.sizes):
+        raise ValueError(f"tensor shape {tuple(x.shape)} != box {box.sizes}")
+    x = x.detach()
+    return x.cpu() if x.device.type != "cpu" else x
+
+
 def checksum(x: torch.Tensor, box: Box, shape: tuple) -> int:
     """Checksum of `x`, which holds global region `box` of a tensor of `shape` (mod 2^64, as a Python int)."""
     if x.numel() == 0:
         return 0
-    if tuple(x.shape) != tuple(box.sizes):
-        raise ValueError(f"tensor shape {tuple(x.shape)} != box {box.sizes}")
-    x = x.detach()
-    if x.device.type != "cpu":
-        x = x.cpu()
+    x = _on_cpu(x, box)
     if not shape:  # a scalar: one row, one column
         shape, box, x = (1,), Box((0,), (1,)), x.reshape(1)
     ncols = box.sizes[-1]
@@ -214,11 +218,7 @@ def checksum_block(x: torch.Tensor, box: Box, shape: tuple, buf: torch.Tensor | 
     `checksum_buffer()` is reused when given. `x` is read in place when its rows are dense."""
     if x.numel() == 0:
         return 0
-    if tuple(x.shape) != tuple(box.sizes):
-        raise ValueError(f"tensor shape {tuple(x.shape)} != box {box.sizes}")
-    x = x.detach()
-    if x.device.type != "cpu":
-        x = x.cpu()
+    x = _on_cpu(x, box)
     cs = RowChecksum(box, shape, x.element_size(), buf)
     cs.update(0, x.reshape(cs.rows.numel(), cs.ncols))
     return cs.value()

@@ -3,13 +3,14 @@ layout's boxes, checked as they are and after each kind of damage."""
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import PAIRS, ROOT, call_main, write_pair
 from reshard_cli.io import sinks
-from reshard_cli.transfer import verify
+from reshard_cli.transfer import rowsum, verify
 from reshard_cli.io.check import blocks, check_output
 from reshard_cli.plan.geometry import Box
 from reshard_cli.spec.layout import load_pair
@@ -270,12 +271,17 @@ def _random_region(g, dtype, ndim, wide=False):
     return shape, Box(offs, sizes), x.reshape(sizes)
 
 
+def _np(x):
+    """A torch tensor's raw bits as the numpy view `rowsum` and check read (no copy: same memory, same strides)."""
+    return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]).numpy()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fast_checksum_is_bit_identical(dtype):
-    """RowChecksum / checksum_block give exactly verify.checksum: any dtype, 0-4 dims, offsets, > 65536 columns,
-    strided input, rows fed in chunks or as row sums."""
+    """rowsum.RowChecksum (numpy, raw bits) / checksum_block give exactly verify.checksum (torch): any dtype, 0-4
+    dims, offsets, > 65536 columns, strided input, rows fed in chunks or as row sums."""
     g = torch.Generator().manual_seed(7)
-    buf = verify.checksum_buffer()
+    buf = rowsum.checksum_buffer()
     for trial in range(40):
         ndim = trial % 5
         shape, box, x = _random_region(g, dtype, ndim, wide=trial % 7 == 3)
@@ -286,8 +292,8 @@ def test_fast_checksum_is_bit_identical(dtype):
             xt = x.transpose(0, -1).contiguous().transpose(0, -1)
             assert not xt.is_contiguous() or x.shape[0] == 1 or x.shape[-1] == 1
             assert verify.checksum_block(xt, box, shape, buf) == want
-        cs = verify.RowChecksum(box, shape, x.element_size(), buf)
-        rows = x.reshape(cs.rows.numel(), cs.ncols)
+        cs = rowsum.RowChecksum(box, shape, x.element_size(), buf)
+        rows = _np(x).reshape(cs.rows.size, cs.ncols)
         half = rows.shape[0] // 2
         cs.update(0, rows[:half])
         cs.set_row_sums(half, cs.row_sums(rows[half:]))
@@ -312,36 +318,49 @@ def test_fast_checksum_block_sizes():
                                    torch.float8_e5m2, torch.float64, torch.int8, torch.int32, torch.int64,
                                    torch.uint8, torch.bool], ids=str)
 def test_fast_synthetic_values_are_the_generator_s(dtype):
-    """Blocks generated from one period of the synthetic values equal synthetic_values bit for bit (seeds,
-    tensor indices, 1-3 dims, flat indices past 2^32), and the row sums taken from them give the checksum."""
-    from reshard_cli.io.check import _Scratch, _SyntheticBlocks
+    """Blocks generated from one period of the synthetic values (numpy, raw bits) equal torch's synthetic_values
+    bit for bit (seeds, tensor indices, 1-3 dims, flat indices past 2^32), whether copied or compared in place
+    (repeating rows, wide rows), a damaged element is seen, and the row sums taken from them give the checksum."""
+    from reshard_cli.io.check import _Scratch, _SyntheticBlocks, _WindowRows
 
     scratch = _Scratch()
+    name = str(dtype).removeprefix("torch.")
     cases = [((5000,), Box((123,), (4000,))), ((1 << 40,), Box(((1 << 35) + 77,), (3000,))),
              ((300, 256), Box((17, 0), (200, 256))), ((256, 1000), Box((0, 500), (256, 500))),
              ((7, 9, 11), Box((1, 2, 3), (5, 6, 7))), ((3, 70000), Box((1, 3), (2, 69990))),
-             ((1 << 20, 4096), Box(((1 << 20) - 8, 1024), (8, 1024)))]
+             ((1 << 20, 4096), Box(((1 << 20) - 8, 1024), (8, 1024))), ((64, 3001), Box((3, 7), (40, 2994)))]
     # rows that repeat (width times row, mod 2^16): the row sums come from the distinct rows
     repeating = [((2000, 256), Box((5, 0), (1500, 256))), ((600, 2048), Box((0, 1024), (300, 1024))),
                  ((4, 300, 512), Box((1, 0, 0), (2, 300, 512)))]
+    kinds = set()
     for t, seed in [(0, 0), (5, 3), (112, -7), (1000, 123456789)]:
         for shape, box in cases + (repeating if seed == 3 else []):
-            gen = _SyntheticBlocks.make(t, shape, dtype, seed, box)
+            gen = _SyntheticBlocks.make(t, shape, name, seed, box)
             assert gen is not None
-            rows = verify.row_ids(box, shape)
-            like = torch.empty(rows.numel(), box.sizes[-1], dtype=dtype)
+            rows = rowsum.row_ids(box, shape)
+            want = _np(synthetic_values(t, box, shape, dtype, seed)).reshape(rows.size, box.sizes[-1])
+            like = np.empty_like(want)
             got, row_sums = gen.block(box, rows, like, scratch)
-            want = synthetic_values(t, box, shape, dtype, seed).reshape(like.shape)
-            assert verify.differing(got, want) is None, (t, seed, shape, box)
-            cs = verify.RowChecksum(box, shape, dtype.itemsize, None, rows)
+            if isinstance(got, _WindowRows):  # compared in place: equal to the generator's, and not to damage
+                kinds.add("periodic" if got.m else "rows")
+                assert got.equal(want, scratch), (t, seed, shape, box)
+                bad = want.copy()
+                bad.reshape(-1)[bad.size * 2 // 3] ^= 1
+                assert not got.equal(bad, scratch)
+                got = got.expand(np.empty_like(want))
+            else:
+                kinds.add("copy")
+            assert np.array_equal(got, want), (t, seed, shape, box)
+            cs = rowsum.RowChecksum(box, shape, dtype.itemsize, None, rows)
             sums = row_sums(cs)
-            repeats = rows.numel() >= 2 * len(set(((rows * shape[-1] + box.offsets[-1]) % (1 << 16)).tolist()))
+            repeats = rows.size >= 2 * len(set(((rows * shape[-1] + box.offsets[-1]) % (1 << 16)).tolist()))
             assert (sums is not None) == repeats and (repeats or (shape, box) in cases), (shape, box)
             if sums is None:
                 cs.update(0, got)
             else:
                 cs.set_row_sums(0, sums)
-            assert cs.value() == verify.checksum(want.reshape(box.sizes), box, shape)
+            assert cs.value() == verify.checksum(synthetic_values(t, box, shape, dtype, seed), box, shape)
+    assert kinds == {"periodic", "rows", "copy"}
 
 
 def test_same_bits_any_alignment():
@@ -350,6 +369,7 @@ def test_same_bits_any_alignment():
     from reshard_cli.io.check import _Scratch, _same_bits
 
     scratch = _Scratch()
+    same_bits = lambda a, b, scratch: _same_bits(_np(a), _np(b), scratch)  # noqa: E731 - the torch views' bits
     g = torch.Generator().manual_seed(5)
     for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float64):
         item = dtype.itemsize
@@ -363,16 +383,17 @@ def test_same_bits_any_alignment():
                 wide[:, 8 // item:8 // item + cols] = got
                 for want in (got.clone(), wide[:, 3:3 + cols], wide[:, 8 // item:8 // item + cols]):
                     same = verify.differing(got, want) is None
-                    assert _same_bits(got, want, scratch) == same
+                    assert same_bits(got, want, scratch) == same
                     for pos in {0, n // item // 2, n // item - 1}:
                         bad = want.clone()
                         bad.view(-1).view(torch.uint8)[pos * item] ^= 1
-                        assert not _same_bits(got, bad, scratch)
+                        assert not same_bits(got, bad, scratch)
 
 
 def test_mapped_file_views(tmp_path):
     """A rank file's tensors as views of the mapped file equal what safetensors reads (every dtype, empty and
-    scalar tensors); a header our parser refuses is a ConfigError, and check then reads through safe_open."""
+    scalar tensors), as torch tensors and as numpy raw bits at any alignment; a header our parser refuses is a
+    ConfigError (check reports the file as one it cannot open)."""
     from reshard_cli.errors import ConfigError
     from reshard_cli.io.mapped import MappedSafetensors
 
@@ -386,6 +407,8 @@ def test_mapped_file_views(tmp_path):
         for name, x in back.items():
             v = m.tensor(name)
             assert v is not None and v.dtype == x.dtype and v.shape == x.shape and verify.differing(v, x) is None
+            a = m.array(name)
+            assert m.dtype(name) == str(x.dtype).removeprefix("torch.") and np.array_equal(a, _np(x))
         assert m.tensor("nope") is None
     (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     with pytest.raises(ConfigError):
@@ -418,7 +441,7 @@ def test_flipped_byte_every_source(copy, ckpt, tmp_path, source, tensor, element
     spec = {"synthetic": "synthetic", "safetensors": f"safetensors:{ckpt}", "shards": f"shards:{pristine}"}[source]
     src_l, dst_l = load_pair(src, dst)
     with open_source(spec, src_l) as s:  # the checkpoint is read in place, the shard directory with read()
-        assert (s.view(src_l.manifest.index(tensor)) is not None) == (source == "safetensors")
+        assert (s.array(src_l.manifest.index(tensor)) is not None) == (source == "safetensors")
     res = check_output(src_l, dst_l, out, spec)
     values = [p for p in res.problems if p.kind == "values"]
     assert [(p.rank, p.tensor, p.count, p.first_index, p.local_index) for p in values] == \
@@ -448,3 +471,41 @@ def test_flipped_byte_in_repeating_rows(tmp_path):
         assert [(p.kind, p.tensor) for p in res.problems] == [("values", name), ("checksum", name)]
         assert (res.problems[0].count, res.problems[0].first_index) == (1, [1000, 3])
         assert f"checksum of the file's shard is {csum}" in res.problems[1].message
+
+
+def test_threads_report_what_one_thread_reports(tmp_path, monkeypatch):
+    """Shards compared on worker threads give the same problems, in the same order, with the same checksums and
+    byte counts, as one thread: damage in several tensors of both rank files, repeating and wide rows."""
+    from reshard_cli.io import check as check_mod
+
+    out = tmp_path / "out"
+    src_l, dst_l = make_output(TRAIN, INFER, out)
+    for f, name, element in [("rank-00000.safetensors", "model.embed_tokens.weight", 1000 * 256 + 3),
+                             ("rank-00000.safetensors", "model.norm.weight", 5),
+                             ("rank-00001.safetensors", "model.layers.1.mlp.experts.3.down_proj.weight", 77),
+                             ("rank-00001.safetensors", "model.embed_tokens.weight", 2)]:
+        _flip_byte(out / f, name, element)
+    results = []
+    for threads in (1, 4):
+        monkeypatch.setattr(check_mod._Workers, "MAX", threads)
+        res = check_output(src_l, dst_l, out)
+        results.append(([p.text() for p in res.problems], [(r.bytes, r.tensors, r.checksum_ok) for r in res.ranks]))
+    assert results[0] == results[1]
+    assert len([p for p in results[0][0] if "differ" in p]) == 4
+
+
+@pytest.mark.parametrize("source", ["synthetic", "safetensors"])
+def test_check_does_not_import_torch(ckpt, good, source):
+    """`reshard check` with a synthetic or safetensors source runs on numpy alone (its start-up is not torch's)."""
+    import subprocess
+    import sys
+
+    src, dst, out = good
+    spec = "synthetic" if source == "synthetic" else f"safetensors:{ckpt}"
+    code = ("import sys\nfrom reshard_cli.cli import main\nsys.argv = ['reshard', 'check', '--src', sys.argv[1], "
+            "'--dst', sys.argv[2], '--out', sys.argv[3], '--source', sys.argv[4]]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\nprint('no torch')\n")
+    r = subprocess.run([sys.executable, "-c", code, str(src), str(dst), str(out), spec], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "all ok" in r.stdout and "no torch" in r.stdout, (r.stdout, r.stderr)

@@ -6,38 +6,45 @@ For every destination rank of the dst layout and every tensor that rank holds, t
 The manifest itself must describe the layouts given: every dst rank present, the rank numbers, shapes,
 offsets and dtypes the dst layout says.
 
-One pass, zero copies where possible: each rank file is mapped into memory (`io.mapped`: our restricted
-header parse, no pickle) and its shards are views of the mapping; a safetensors source is mapped the same
-way (`Source.view`), synthetic values are generated per block at copy speed. Each block is compared with the
-source's block as int64 words and checksummed in the same pass (`verify.RowChecksum`, bit for bit the value
-`verify.checksum` gives). Memory stays bounded: one block of one shard at a time (at most `BLOCK_ELEMS`
-elements, split along the first dims so that a block is a dense sub-box). Files that cannot be mapped are read
-with `safe_open(...).get_slice`, sources without a view with `Source.read`, block by block.
+One pass, zero copies where possible, and no torch unless the source needs it (numpy only: the command starts
+in a fraction of the time importing torch takes). Each rank file is mapped into memory (`io.mapped`: our
+restricted header parse, no pickle) and its shards are raw-bits views of the mapping (int16 for bf16, ...); a
+safetensors source is mapped the same way (`Source.array`); synthetic values are compared in place against one
+cached period of the generator (`_WindowRows`) or generated per block at copy speed; other sources are read with
+`Source.read` (torch), block by block. Each block is compared as int64 words and checksummed in the same pass
+(`rowsum.RowChecksum`, bit for bit the value `verify.checksum` gives). The shards of a rank file are compared
+on a few threads (`_Workers`); problems are reported in the same order either way. Memory stays bounded: one
+block of one shard at a time per thread (at most `BLOCK_ELEMS` elements, split along the first dims so that a
+block is a dense sub-box).
 """
 from __future__ import annotations
 
 import functools
 import itertools
+import math
+import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
+import numpy as np
 
 from reshard_cli.io import sinks
-from reshard_cli.transfer import verify
+from reshard_cli.transfer import rowsum
 from reshard_cli.errors import ConfigError
 from reshard_cli.plan.geometry import Box
 from reshard_cli.spec.layout import Layout
-from reshard_cli.spec.models import _SAFETENSORS_DTYPES
 from reshard_cli.io.mapped import MappedSafetensors
-from reshard_cli.io.sources import Source, SyntheticSource, open_source, synthetic_values
+from reshard_cli.io.sources import Source, SyntheticSource, open_source
 
 # Elements per block (4 Mi). The file's block is a view of the mapped file; what is allocated stays under
-# ~150 MiB at any tensor size: the source's block when it is generated, read or realigned (32 MiB each at most,
-# for 8-byte types), the checksum's float64 steps (2 MiB) and per-row tensors (at most _MAX_ROWS rows), and
-# for synthetic values one period and its windows (~2 MiB + one block). Big enough to keep per-block overhead low.
+# ~150 MiB per thread at any tensor size: the source's block when it is generated, read or realigned (32 MiB
+# each at most, for 8-byte types), the checksum's float64 steps (2 MiB) and per-row arrays (at most _MAX_ROWS
+# rows), and for synthetic values one period and its windows (~2 MiB + one block). Big enough to keep per-block
+# overhead low.
 BLOCK_ELEMS = 1 << 22
 _MAX_ROWS = 1 << 18
 
@@ -184,9 +191,9 @@ def check_output(src_layout: Layout, dst_layout: Layout, out_dir: str | Path, so
                              out=str(out), source=src.description or src.kind)
         _check_manifest_top(doc, src_layout, dst_layout, result)
         entries = _manifest_entries(doc, mfile, dst_layout, result)
-        scratch = _Scratch()
-        for i, grank in enumerate(dst_layout.ranks):
-            _check_rank(i, grank, entries.get(i), out, src, src_layout, dst_layout, result, block_elems, scratch)
+        with _Workers() as workers:
+            for i, grank in enumerate(dst_layout.ranks):
+                _check_rank(i, grank, entries.get(i), out, src, src_layout, dst_layout, result, block_elems, workers)
         wanted = {sinks.rank_file_name(i) for i in range(dst_layout.size)}
         for p in sorted(out.glob("rank-*.safetensors")):
             if p.name not in wanted:
@@ -235,7 +242,7 @@ def _manifest_entries(doc: dict, mfile: str, dst_l: Layout, result: CheckResult)
 
 
 def _check_rank(i: int, grank: int, entry: dict | None, out: Path, src: Source, src_l: Layout, dst_l: Layout,
-                result: CheckResult, block_elems: int, scratch: "_Scratch") -> None:
+                result: CheckResult, block_elems: int, workers: "_Workers") -> None:
     man = dst_l.manifest.tensors
     fname = sinks.rank_file_name(i)
     rr = RankResult(index=i, rank=grank, file=fname)
@@ -273,38 +280,32 @@ def _check_rank(i: int, grank: int, entry: dict | None, out: Path, src: Source, 
             for key, value in want.items():
                 if e.get(key) != value:
                     problem("manifest", f"manifest {key} {e.get(key)}, the dst layout says {value}", name)
-    # 2. the file against the source
+    # 2. the file against the source: its header (our restricted parser) and its tensors as views of the mapping
     path = out / fname
     if not path.is_file():
         problem("file", f"rank file {fname} is missing")
         rr.checksum_ok = False if entry is not None else None
         rr.mismatches = len(result.problems) - before
         return
-    from safetensors import safe_open
     try:
-        handle = safe_open(str(path), framework="pt")
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for corrupt files
+        mapped = MappedSafetensors(path)
+    except (ConfigError, OSError, ValueError) as e:
         problem("file", f"cannot open {fname}: {e}")
         rr.checksum_ok = False if entry is not None else None
         rr.mismatches = len(result.problems) - before
         return
-    try:  # the file's shards as views of the mapped file (no copy); None: read slices with safe_open
-        mapped: MappedSafetensors | None = MappedSafetensors(path)
-    except (ConfigError, OSError, ValueError):
-        mapped = None
     checksums_ok = entry is not None
     try:
-        keys = set(handle.keys())
+        keys = set(mapped.header)
         for name in sorted(keys - expected.keys()):
             problem("extra", f"extra tensor in {fname} (the dst layout does not place it on this rank)", name)
+        jobs = []  # (tensor name, its shard, the comparison), in order: problems are reported in this order
         for name, (t, box) in expected.items():
             if name not in keys:
                 problem("missing", f"missing from {fname}", name)
                 checksums_ok = False
                 continue
-            sl = handle.get_slice(name)
-            shape, code = tuple(sl.get_shape()), sl.get_dtype()
-            dtype = _SAFETENSORS_DTYPES.get(code, code)
+            shape, dtype = tuple(mapped.header[name]["shape"]), mapped.dtype(name)
             spec = man[t]
             if shape != box.sizes:
                 problem("shape", f"shape {list(shape)} in {fname}, the dst layout's shard is {list(box.sizes)}", name)
@@ -313,11 +314,12 @@ def _check_rank(i: int, grank: int, entry: dict | None, out: Path, src: Source, 
             if shape != box.sizes or dtype != spec.dtype:
                 checksums_ok = False
                 continue
-            got = mapped.tensor(name) if mapped is not None else None
-            if got is not None and (tuple(got.shape) != box.sizes or got.dtype != getattr(torch, spec.dtype)):
-                got = None  # the file changed since safe_open read it: take the slow path, which reports it
-            n, first, csum, nbytes = _compare(sl, src, src_l.manifest.index(name), box, spec.shape, block_elems,
-                                              got, scratch)
+            t_src = src_l.manifest.index(name)
+            want, threads = _expected_blocks(src, t_src, box)
+            jobs.append((name, box, workers.submit(threads, _compare, mapped.array(name), want, box, spec.shape,
+                                                   block_elems)))
+        for name, box, job in jobs:
+            n, first, csum, nbytes = job.result()
             rr.tensors += 1
             rr.bytes += nbytes
             if n:
@@ -327,171 +329,315 @@ def _check_rank(i: int, grank: int, entry: dict | None, out: Path, src: Source, 
                         count=n, first_index=first, local_index=local)
             e = listed.get(name) if isinstance(listed.get(name), dict) else None
             if e is not None:
-                if e.get("checksum") != verify.fmt(csum):
-                    problem("checksum", f"checksum of the file's shard is {verify.fmt(csum)}, the manifest says "
+                if e.get("checksum") != rowsum.fmt(csum):
+                    problem("checksum", f"checksum of the file's shard is {rowsum.fmt(csum)}, the manifest says "
                                         f"{e.get('checksum')}", name)
                     checksums_ok = False
             else:
                 checksums_ok = False
     finally:
-        del handle
-        got = None
-        if mapped is not None:
-            mapped.close()
+        workers.wait()  # no job reads the mapping after it is closed, even when one failed
+        mapped.close()
     rr.checksum_ok = checksums_ok if entry is not None else None
     rr.mismatches = len(result.problems) - before
 
 
-def _compare(sl, src: Source, t_src: int, box: Box, shape: tuple, block_elems: int,
-             got_all: torch.Tensor | None = None, scratch: "_Scratch | None" = None
-             ) -> tuple[int, list | None, int, int]:
+def _compare(got_all: np.ndarray, expected, box: Box, shape: tuple, block_elems: int,
+             scratch: "_Scratch | None" = None) -> tuple[int, list | None, int, int]:
     """Compare one shard with the source, block by block: (differing elements, first differing global index,
     checksum of the file's shard, bytes compared).
 
-    One pass over the file's shard (`got_all`, a view of the mapped file, or else slices read through
-    safe_open): each block, seen as rows [rows, last dim], is compared with the source's block as int64 words
-    and fed to the checksum (`verify.RowChecksum`, the same value as `verify.checksum`). The source's block is
-    a view of the source when it has one (`Source.view`), synthetic values generated at copy speed, or
-    `Source.read`. For synthetic values the checksum's row sums come from the values themselves when the block
-    equals them (rows repeat: see `_SyntheticRows`), so the file is read once, by the comparison."""
+    One pass over the file's shard (`got_all`: its raw bits, a view of the mapped file): each block, seen as rows
+    [rows, last dim], is compared with the source's block as int64 words and fed to the checksum
+    (`rowsum.RowChecksum`, the same value as `verify.checksum`). The source's block is a view of the source when
+    it has one (`Source.array`), synthetic values generated at copy speed, or `Source.read` (`expected`, from
+    `_expected_blocks`). For synthetic values
+    the checksum's row sums come from the values themselves when the block equals them (rows repeat: see
+    `_SyntheticBlocks`), so the file is read once, by the comparison."""
     scratch = scratch or _Scratch()
-    expected = _expected_blocks(src, t_src, box)
     count, first, csum, nbytes = 0, None, 0, 0
-    # at most _MAX_ROWS rows per block: the per-row tensors (ids, sums, weights) stay small for narrow shards
+    # at most _MAX_ROWS rows per block: the per-row arrays (ids, sums, weights) stay small for narrow shards
     limit = min(block_elems, max(1, box.sizes[-1] if box.sizes else 1) * _MAX_ROWS)
     for offs, sizes in blocks(box.sizes, limit):
         sub = Box(tuple(o + a for o, a in zip(box.offsets, offs)), sizes)
-        local = tuple(slice(a, a + s) for a, s in zip(offs, sizes))
-        got = got_all[local] if got_all is not None else sl[local]
-        rows = verify.row_ids(sub, shape)
+        got = got_all[tuple(slice(a, a + s) for a, s in zip(offs, sizes))]
+        rows = rowsum.row_ids(sub, shape)
         ncols = sizes[-1] if sizes else 1
-        got2 = got.reshape(rows.numel(), ncols)  # a view: the block is dense in the shard
+        got2 = got.reshape(rows.size, ncols)  # a view: the block is dense in the shard
         want, derived = expected(sub, rows, got2, scratch)
-        same = _same_bits(got2, want, scratch)
+        if isinstance(want, _WindowRows):
+            same = want.equal(got2, scratch)
+            if not same:
+                want = want.expand(scratch.like(got2))
+        else:
+            same = _same_bits(got2, want, scratch)
         if not same:
-            diff = verify.differing(got2, want)
-            if diff is not None:  # only then count and locate the differing elements
-                n = int(diff.sum())
+            diff = got2 != want
+            n = int(np.count_nonzero(diff))
+            if n:  # only then count and locate the differing elements
                 if first is None:
-                    pos = int(torch.argmax(diff.to(torch.uint8)))
+                    pos = int(np.argmax(diff.reshape(-1)))
                     first = [o + v for o, v in zip(sub.offsets, _unravel(pos, sizes))]
                 count += n
             else:
                 same = True
-        cs = verify.RowChecksum(sub, shape, got.element_size(), scratch.f64, rows)
+        cs = rowsum.RowChecksum(sub, shape, got.itemsize, scratch.f64, rows)
         sums = derived(cs) if derived is not None and same else None  # the source's own row sums, if it has them
         if sums is not None:  # the file's rows are the source's, bit for bit: so are their checksum terms
             cs.set_row_sums(0, sums)
         else:
             cs.update(0, got2)
         csum += cs.value()
-        nbytes += got.numel() * got.element_size()
+        nbytes += got.nbytes
     return count, first, csum & ((1 << 64) - 1), nbytes
+
+
+def _address(x: np.ndarray) -> int:
+    return x.__array_interface__["data"][0]
 
 
 class _Scratch:
     """Buffers reused by every block of one check: the source's block when it must be copied or generated,
-    and the checksum's float64 steps."""
+    the comparison's booleans and the checksum's float64 steps."""
 
     def __init__(self):
-        self.f64 = verify.checksum_buffer()
-        self._raw = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self.f64 = rowsum.checksum_buffer()
+        self.flags = np.empty(_EQ_CHUNK, dtype=np.bool_)
+        self._raw = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
 
-    def like(self, x: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        """An uninitialised contiguous tensor of `x`'s shape and dtype whose address is `x`'s mod 8 (so the two
-        compare as int64 words), in buffer `slot` (0: the source's values, 1: `_same_bits`' copies). Valid until
-        the next call for the same slot."""
-        nbytes = x.numel() * x.element_size()
+    def bools(self, n: int) -> np.ndarray:
+        """At least n booleans (the comparison's, reused)."""
+        if self.flags.size < n:
+            self.flags = np.empty(n, dtype=np.bool_)
+        return self.flags
+
+    def like(self, x: np.ndarray, slot: int = 0) -> np.ndarray:
+        """An uninitialised C-contiguous array of `x`'s shape and dtype whose address is `x`'s mod 8 (so the two
+        compare as aligned int64 words), in buffer `slot` (0: the source's values, 1: `_same_bits`' copies).
+        Valid until the next call for the same slot."""
+        nbytes = x.nbytes
         raw = self._raw[slot]
-        if raw.numel() < nbytes + 8:
-            raw = self._raw[slot] = torch.empty(max(nbytes + 8, 2 * raw.numel()), dtype=torch.uint8)
-        shift = (x.data_ptr() - raw.data_ptr()) % 8
-        if shift % x.element_size():  # x itself is misaligned: any address will do
-            shift = 0
-        return raw[shift:shift + nbytes].view(x.dtype).view(x.shape)
+        if raw.size < nbytes + 8:
+            raw = self._raw[slot] = np.empty(max(nbytes + 8, 2 * raw.size), dtype=np.uint8)
+        shift = (_address(x) - _address(raw)) % 8
+        return raw[shift:shift + nbytes].view(x.dtype).reshape(x.shape)
 
 
-def _same_bits(got: torch.Tensor, want: torch.Tensor, scratch: _Scratch) -> bool:
-    """`verify.differing(got, want) is None` (bit for bit equal), fast: compared as int64 words. `got` is a
-    contiguous block of rows; `want` may be strided (rows of a source view)."""
-    if (got.shape != want.shape or got.dtype != want.dtype or got.device.type != "cpu"
-            or want.device.type != "cpu" or not got.is_contiguous()):
-        return verify.differing(got, want) is None
-    if not want.is_contiguous() or (want.data_ptr() - got.data_ptr()) % 8:
-        if got.element_size() < 8 and got.dim() == 2:
-            try:  # strided rows, each a whole number of aligned words: compare them in place
-                return torch.equal(got.view(torch.int64), want.view(torch.int64))
-            except RuntimeError:
-                pass
-        w = scratch.like(got, 1)
-        w.copy_(want)
-        want = w
-    n = got.numel() * got.element_size()
-    a, b = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
-    head = min((-got.data_ptr()) % 8, n)
-    end = head + (n - head) // 8 * 8
-    try:
-        if not torch.equal(a[head:end].view(torch.int64), b[head:end].view(torch.int64)):
+class _Workers:
+    """Runs the comparisons of a rank file's shards on a few threads (numpy releases the GIL in its copies,
+    comparisons and float64 products), each thread with its own scratch. Jobs that read through a source's own
+    code run in the calling thread, in order. At most `MAX` threads: a few per memory channel is enough, and
+    each may hold ~150 MiB of scratch."""
+
+    MAX = 8
+
+    def __init__(self, threads: int | None = None):
+        if threads is None:
+            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(min(threads, self.MAX)) if threads > 1 else None
+        self._pending: list[Future] = []
+
+    def _scratch(self) -> "_Scratch":
+        s = getattr(self._local, "scratch", None)
+        if s is None:
+            s = self._local.scratch = _Scratch()
+        return s
+
+    def _run(self, fn, args):
+        return fn(*args, self._scratch())
+
+    def submit(self, threads: bool, fn, *args) -> Future:
+        """`fn(*args, scratch)` on a worker (threads True) or now, in this thread; its result as a future."""
+        if threads and self._pool is not None:
+            job = self._pool.submit(self._run, fn, args)
+            self._pending.append(job)
+            return job
+        job = Future()
+        try:
+            job.set_result(self._run(fn, args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the result
+            job.set_exception(e)
+        return job
+
+    def wait(self) -> None:
+        """Until every job submitted so far has finished (each one's errors stay with its future)."""
+        wait(self._pending)
+        self._pending.clear()
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+# elements per comparison step: the booleans (256 KiB) stay in cache
+_EQ_CHUNK = 1 << 18
+
+
+def _equal(a: np.ndarray, b: np.ndarray, flags: np.ndarray) -> bool:
+    """a == b everywhere (same shape and dtype, 1-D or 2-D), in steps whose booleans stay in cache."""
+    if a.ndim == 1:
+        a, b = a.reshape(1, -1), b.reshape(1, -1)
+    rows, cols = a.shape
+    if not a.size:
+        return True
+    if cols > _EQ_CHUNK:  # wide rows: column steps
+        return all(np.equal(a[r, c:c + _EQ_CHUNK], b[r, c:c + _EQ_CHUNK], out=flags[:min(_EQ_CHUNK, cols - c)]).all()
+                   for r in range(rows) for c in range(0, cols, _EQ_CHUNK))
+    step = max(1, _EQ_CHUNK // cols)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        if not np.equal(a[r:r + n], b[r:r + n], out=flags[:n * cols].reshape(n, cols)).all():
             return False
-    except RuntimeError:  # storage offsets not aligned like the addresses: compare bytes
-        return torch.equal(a, b)
-    return (not head or torch.equal(a[:head], b[:head])) and (end == n or torch.equal(a[end:], b[end:]))
+    return True
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray, scratch: _Scratch) -> bool:
+    """`got` and `want` hold the same bits (both raw-bits arrays of one dtype), fast: compared as int64 words.
+    `got` is a C-contiguous block of rows; `want` may be strided (rows of a source view)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if got.size == 0:
+        return True
+    if not want.flags.c_contiguous:
+        if want.ndim == 2 and want.strides[1] == want.itemsize and want.shape[1] * want.itemsize % 8 == 0 \
+                and want.strides[0] % 8 == 0 and (_address(want) - _address(got)) % 8 == 0:
+            # strided rows, each a whole number of words aligned like got's: compare them in place
+            return _equal(got.view(np.int64), want.view(np.int64), scratch.flags)
+        w = scratch.like(got, 1)
+        np.copyto(w, want)
+        want = w
+    a, b = got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)
+    n = a.size
+    if (_address(a) - _address(b)) % 8:  # not alignable together: compare elements
+        return _equal(got.reshape(-1), want.reshape(-1), scratch.flags)
+    head = min((-_address(a)) % 8, n)
+    end = head + (n - head) // 8 * 8
+    return (_equal(a[head:end].view(np.int64), b[head:end].view(np.int64), scratch.flags)
+            and (not head or bool((a[:head] == b[:head]).all())) and (end == n or bool((a[end:] == b[end:]).all())))
 
 
 def _expected_blocks(src: Source, t: int, box: Box):
-    """The source's values of `box`'s blocks: a function (block, its global row ids, the file's block as rows,
-    scratch) -> (the source's block as rows [rows, last dim], a function giving its exact checksum row sums or
-    None). From a view of the source, synthetic values generated into scratch, or `src.read` of the block."""
+    """The source's values of `box`'s blocks, as raw bits: (a function (block, its global row ids, the file's
+    block as rows, scratch) -> (the source's block as rows [rows, last dim], a function giving its exact checksum
+    row sums or None), whether that function may run on worker threads). From a view of the source or synthetic
+    values generated into scratch (numpy only: any thread), or `src.read` of the block (the source's own code,
+    torch for most: the calling thread)."""
     spec = src.manifest.tensors[t]
     inside = len(box.sizes) == len(spec.shape) and all(
         0 <= o and o + s <= n for o, s, n in zip(box.offsets, box.sizes, spec.shape))
     if inside and not box.empty:  # else `read` raises the source's own error
-        if isinstance(src, SyntheticSource) and spec.shape:
-            fast = _SyntheticBlocks.make(t, spec.shape, getattr(torch, spec.dtype), src.seed, box)
+        if isinstance(src, SyntheticSource):
+            scalar = Box((0,), (1,))  # a scalar is the 1-element tensor of the same flat index
+            fast = _SyntheticBlocks.make(t, spec.shape or (1,), spec.dtype, src.seed, box if spec.shape else scalar)
             if fast is not None:
-                return fast.block
-        full = src.view(t)
+                return (fast.block if spec.shape else
+                        lambda sub, rows, like, scratch: fast.block(scalar, rows, like, scratch)), True
+        full = src.array(t)
         if full is not None:
-            return lambda sub, rows, like, scratch: (_as_rows(full[sub.slices()], rows.numel()), None)
-    return lambda sub, rows, like, scratch: (_as_rows(src.read(t, sub), rows.numel()), None)
+            return (lambda sub, rows, like, scratch: (_as_rows(full[sub.slices()], rows.size), None)), True
+    return (lambda sub, rows, like, scratch: (_as_rows(_bits(src.read(t, sub)), rows.size), None)), False
 
 
-def _as_rows(block: torch.Tensor, nrows: int) -> torch.Tensor:
+def _bits(x) -> np.ndarray:
+    """A torch tensor's raw bits as a numpy array (`rowsum.bits_dtype` of its element size), on the CPU."""
+    import torch
+
+    x = x.detach().cpu()
+    return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]).numpy()
+
+
+def _as_rows(block: np.ndarray, nrows: int) -> np.ndarray:
     """`block` as [rows, last dim]: a view unless its dims do not merge (a strided view of the source)."""
-    return block.reshape(nrows, -1) if block.dim() else block.reshape(1, 1)
+    return block.reshape(nrows, -1) if block.ndim else block.reshape(1, 1)
 
 
 _PERIOD = 1 << 16
 
 
+class _WindowRows:
+    """A block of synthetic values by rows, row k = window[starts[k]] (a slice of one period, which stays in
+    cache), compared with the file's block without being copied: when the starts step evenly (a 2-D tensor's
+    consecutive rows) the rows repeat after m of them and the file's rows are compared m at a time against the m
+    distinct rows; else wide rows are compared one by one. Narrow rows that do not repeat are copied instead."""
+
+    # repeating rows: the m distinct rows at most this many elements (cache-sized); else rows this wide at least
+    MAX_PERIOD_ELEMS = 1 << 18
+    MIN_ROW = 1024
+
+    def __init__(self, window: np.ndarray, starts: np.ndarray, m: int | None):
+        self.window, self.starts, self.m = window, starts, m
+        self.shape = (starts.size, window.shape[1])
+
+    @staticmethod
+    def of(window: np.ndarray, starts: np.ndarray) -> "_WindowRows | None":
+        n, ncols = starts.size, window.shape[1]
+        if n >= 4:
+            step = int(starts[1] - starts[0]) & (_PERIOD - 1)
+            m = _PERIOD // math.gcd(step, _PERIOD)
+            if 2 * m <= n and m * ncols <= _WindowRows.MAX_PERIOD_ELEMS \
+                    and bool((((starts[1:] - starts[:-1]) & (_PERIOD - 1)) == step).all()):
+                return _WindowRows(window, starts, m)
+        return _WindowRows(window, starts, None) if ncols >= _WindowRows.MIN_ROW else None
+
+    def equal(self, got: np.ndarray, scratch: "_Scratch") -> bool:
+        n, ncols = got.shape
+        if self.m is None:  # row by row, each against its slice of the period
+            flags = scratch.bools(ncols)[:ncols]
+            return all(np.equal(got[i], self.window[st], out=flags).all()
+                       for i, st in enumerate(self.starts.tolist()))
+        m = self.m
+        a, b = got, self.window[self.starts[:m]]
+        if (ncols * got.itemsize) % 8 == 0:  # as int64 words (numpy reads unaligned words too)
+            a, b = a.view(np.int64), b.view(np.int64)
+        width = a.shape[1]
+        q = n // m
+        full = a[:q * m].reshape(q, m, width)
+        step = max(1, _EQ_CHUNK // (m * width))
+        flags = scratch.bools(step * m * width)
+        for i in range(0, q, step):
+            k = min(step, q - i)
+            if not np.equal(full[i:i + k], b[None], out=flags[:k * m * width].reshape(k, m, width)).all():
+                return False
+        return n == q * m or _equal(a[q * m:], b[:n - q * m], flags)
+
+    def expand(self, out: np.ndarray) -> np.ndarray:
+        """The whole block, written into `out` (shape [rows, ncols])."""
+        for i, st in enumerate(self.starts.tolist()):
+            out[i] = self.window[st]
+        return out
+
+
 class _SyntheticBlocks:
-    """`synthetic_values` of blocks of one tensor, at copy speed, and their checksum row sums.
+    """`synthetic_values` of blocks of one tensor, at copy speed, and their checksum row sums (as raw bits).
 
     The generator's hash keeps the low 16 bits of `i * 2654435761 ^ key` (i the global flat index, key from the
     tensor index and the seed), and those depend on `i mod 2^16` only: the values repeat with period 2^16. So one
     period, P[j] = value(hash(j)), holds every value, and a block's row that starts at flat index s is
     P[s mod 2^16:][:ncols] (wrapping): row s mod 2^16 of a strided (2^16, ncols) window view of P repeated. One
-    `index_select` of the rows' starts copies the block. `make` checks the period against the generator itself
-    once per (dtype, seed) and returns None (callers then use the generator) if it ever differs.
+    `take` of the rows' starts copies the block. Tests check the period against the generator for every dtype.
 
-    Rows with the same start hold the same values, so the same checksum row sum (`verify.RowChecksum`), and a
+    Rows with the same start hold the same values, so the same checksum row sum (`rowsum.RowChecksum`), and a
     2-D tensor's rows have few distinct starts (its width times the row number, mod 2^16: 256 of them for a
     width of 256). When the file's block equals the values, each distinct row is summed once per tensor and
     looked up for every row: the file is read once, by the comparison.
     """
 
-    def __init__(self, period: torch.Tensor, shape: tuple, rows: int):
+    def __init__(self, period: np.ndarray, shape: tuple, rows: int):
         self.period, self.shape, self.rows = period, shape, rows
-        self._windows: dict[int, torch.Tensor] = {}
+        self._windows: dict[int, np.ndarray] = {}
         # (columns, first column) -> (exact checksum row sum of each window row, which of them are known)
-        self._sums: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sums: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     @staticmethod
-    def make(t: int, shape: tuple, dtype: torch.dtype, seed: int, box: Box) -> "_SyntheticBlocks | None":
-        """For the blocks of shard `box` of tensor `t` (None: use the generator)."""
+    def make(t: int, shape: tuple, dtype: str, seed: int, box: Box) -> "_SyntheticBlocks | None":
+        """For the blocks of shard `box` of tensor `t` of torch dtype name `dtype` (None: use the generator)."""
         if not -(1 << 63) <= seed * 97 < (1 << 63):
             return None  # the generator's int64 arithmetic would not take it: let it say so
-        tables = _synthetic_tables(dtype, seed)
+        tables = _synthetic_tables(dtype)
         if tables is None:
             return None
         base, values = tables
@@ -499,67 +645,84 @@ class _SyntheticBlocks:
         rows = 1
         for n in box.sizes[:-1]:
             rows *= n
-        return _SyntheticBlocks(values.index_select(0, base ^ (key & 0xFFFF)), shape, rows)
+        return _SyntheticBlocks(values[base ^ (key & 0xFFFF)], shape, rows)
 
-    def _window(self, ncols: int) -> torch.Tensor:
+    def _window(self, ncols: int) -> np.ndarray:
         w = self._windows.get(ncols)
         if w is None:
-            ext = self.period.repeat(-(-(_PERIOD + ncols) // _PERIOD))[:_PERIOD + ncols]
-            w = self._windows[ncols] = ext.as_strided((_PERIOD, ncols), (1, 1))
+            ext = np.tile(self.period, -(-(_PERIOD + ncols) // _PERIOD))[:_PERIOD + ncols]
+            w = self._windows[ncols] = np.lib.stride_tricks.as_strided(
+                ext, (_PERIOD, ncols), (ext.itemsize, ext.itemsize), writeable=False)
         return w
 
-    def block(self, sub: Box, rows: torch.Tensor, like: torch.Tensor, scratch: _Scratch):
-        """(The values of block `sub` (global row ids `rows`) as [rows, last dim] in scratch, aligned like
-        `like`; a function RowChecksum -> their exact row sums, or None when the shard's rows repeat too little
+    def block(self, sub: Box, rows: np.ndarray, like: np.ndarray, scratch: _Scratch):
+        """(The values of block `sub` (global row ids `rows`) as rows [rows, last dim]: a `_WindowRows`, or a copy
+        in scratch aligned like `like`; a function RowChecksum -> their exact row sums, or None when the shard's rows repeat too little
         for that to pay)."""
         ncols, col0 = sub.sizes[-1], sub.offsets[-1]
         starts = (rows * self.shape[-1] + col0) & (_PERIOD - 1)  # flat index of each row's start, mod 2^16
         window = self._window(ncols)
-        shape = (starts.numel(), ncols)
-        out = scratch.like(like) if like.dtype == self.period.dtype and tuple(like.shape) == shape \
-            else torch.empty(shape, dtype=self.period.dtype)
-        torch.index_select(window, 0, starts, out=out)
+        out = _WindowRows.of(window, starts)
+        if out is None:  # narrow rows that do not repeat: copy them
+            shape = (starts.size, ncols)
+            out = scratch.like(like) if like.dtype == self.period.dtype and tuple(like.shape) == shape \
+                else np.empty(shape, dtype=self.period.dtype)
+            np.copyto(out, window[starts])
 
-        def row_sums(cs: verify.RowChecksum) -> torch.Tensor | None:
+        def row_sums(cs: rowsum.RowChecksum) -> np.ndarray | None:
             table = self._sums.get((ncols, col0))
             if table is None:
-                table = self._sums[(ncols, col0)] = (torch.zeros(_PERIOD, dtype=torch.int64),
-                                                     torch.zeros(_PERIOD, dtype=torch.bool))
+                table = self._sums[(ncols, col0)] = (np.zeros(_PERIOD, dtype=np.int64),
+                                                     np.zeros(_PERIOD, dtype=np.bool_))
             sums, have = table
-            need = torch.zeros(_PERIOD, dtype=torch.bool)
+            need = np.zeros(_PERIOD, dtype=np.bool_)
             need[starts] = True
             need &= ~have
-            todo = need.nonzero().reshape(-1)
-            if 2 * todo.numel() > self.rows:  # the shard's rows hardly repeat: summing the file's costs less
+            todo = np.flatnonzero(need)
+            if 2 * todo.size > self.rows:  # the shard's rows hardly repeat: summing the file's costs less
                 return None
-            if todo.numel():
-                sums[todo] = cs.row_sums(window.index_select(0, todo))
+            if todo.size:
+                sums[todo] = cs.row_sums(window[todo])
                 have[todo] = True
             return sums[starts]
         return out, row_sums
 
 
 @functools.lru_cache(maxsize=32)
-def _synthetic_tables(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _synthetic_tables(dtype: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(base, values) with synthetic_values(t, flat index j) = values[base[j] ^ (key(t, seed) & 0xFFFF)] for j
-    in one period: base[j] = (j * 2654435761) & 0xFFFF and values[h] the value of hash h. Checked against the
-    generator for two tensor indices; None if they differ (a changed generator: use it directly)."""
-    j = torch.arange(_PERIOD, dtype=torch.int64)
-    base = ((j * 2654435761) & 0xFFFF).to(torch.int32)
-    h = j
-    if dtype == torch.bool:
-        values = (h & 1).bool()
-    elif dtype.is_floating_point:
-        values = (h.to(torch.float32) / 32768 - 1).to(dtype)
+    in one period, as raw bits: base[j] = (j * 2654435761) & 0xFFFF and values[h] the value of hash h
+    (`sources.synthetic_values`' formula). numpy computes the types it has (bfloat16 rounded to nearest even from
+    float32, as torch does); the float8 types are cast by torch. None for a dtype neither knows."""
+    j = np.arange(_PERIOD, dtype=np.int64)
+    base = (j * 2654435761) & 0xFFFF
+    if dtype == "bool":
+        values = (j & 1).astype(np.int8)
+    elif dtype in _INTS:
+        values = (j % 127).astype(_INTS[dtype]).view(rowsum.bits_dtype(np.dtype(_INTS[dtype]).itemsize))
     else:
-        values = (h % 127).to(dtype)
-    full = Box((0,), (_PERIOD,))
-    for t in (0, 5):
-        want = synthetic_values(t, full, (_PERIOD,), dtype, seed)
-        got = values.index_select(0, base ^ ((((t + 1) * 40503) ^ (seed * 97)) & 0xFFFF))
-        if verify.differing(got, want) is not None:
-            return None
-    return base, values
+        f32 = j.astype(np.float32) / np.float32(32768) - np.float32(1)  # exact: 16 significant bits at most
+        if dtype == "float32":
+            values = f32.view(np.int32)
+        elif dtype == "float64":
+            values = f32.astype(np.float64).view(np.int64)
+        elif dtype == "float16":
+            values = f32.astype(np.float16).view(np.int16)
+        elif dtype == "bfloat16":  # round to nearest even (no NaN or infinity among these values)
+            b = f32.view(np.uint32)
+            values = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) \
+                .astype(np.uint16).view(np.int16)
+        else:
+            import torch
+
+            torch_dtype = getattr(torch, dtype, None)
+            if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+                return None
+            values = _bits(torch.from_numpy(f32).to(torch_dtype))
+    return base, np.ascontiguousarray(values)
+
+
+_INTS = {"int8": np.int8, "uint8": np.uint8, "int16": np.int16, "int32": np.int32, "int64": np.int64}
 
 
 __all__ = ["BLOCK_ELEMS", "Problem", "RankResult", "CheckResult", "blocks", "check_output"]

@@ -1,5 +1,9 @@
 """Zero-copy reads of safetensors files: the file mapped into memory, tensors as views of the mapping.
 
+`array(name)` gives a stored tensor's raw bits as a numpy array (int16 for bf16, int32 for float32, ...: see
+`rowsum.bits_dtype`), which is what `reshard check` compares and checksums, without torch; `tensor(name)` gives
+the same bytes as a torch tensor of the stored dtype.
+
 The header is parsed by our restricted parser (`read_safetensors_header`: JSON only, every entry's dtype known
 and its bytes inside the file), never by pickle; the data is never copied: a tensor is a view of the mapped
 bytes, and the kernel maps page-cache pages as they are touched. The mapping is private (copy-on-write), so an
@@ -10,10 +14,11 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.spec.models import _SAFETENSORS_DTYPES, read_safetensors_header
+from reshard_cli.spec.models import _SAFETENSORS_DTYPES, DTYPE_SIZES, read_safetensors_header
+from reshard_cli.transfer.rowsum import bits_dtype
 
 
 class MappedSafetensors:
@@ -33,22 +38,37 @@ class MappedSafetensors:
             self._mm.close()
             raise ConfigError(f"truncated safetensors file: {len(self._mm)} bytes, the header needs {end}",
                               file=str(self.path))
-        self._bytes: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._bytes: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
 
-    def tensor(self, name: str) -> torch.Tensor | None:
-        """The stored tensor `name` (its header's shape and dtype) as a view of the mapping; None when the file
-        has no such tensor or its bytes are not aligned to its element size (callers then read a copy)."""
+    def dtype(self, name: str) -> str | None:
+        """The stored dtype of `name` as a torch dtype name ("bfloat16"), None when the file has no such tensor."""
+        e = self.header.get(name)
+        return None if e is None else _SAFETENSORS_DTYPES[e["dtype"]]
+
+    def array(self, name: str) -> np.ndarray | None:
+        """The stored tensor `name` (its header's shape) as a view of the mapping holding each element's raw bits
+        as a signed integer of the element's size; None when the file has no such tensor. Any alignment."""
         e = self.header.get(name)
         if e is None or self._bytes is None:
             return None
-        dtype = getattr(torch, _SAFETENSORS_DTYPES[e["dtype"]])
         b0, b1 = e["data_offsets"]
-        if b0 == b1:
-            return torch.empty(e["shape"], dtype=dtype)
-        begin = self.start + b0
-        if begin % dtype.itemsize:
+        return self._bytes[self.start + b0:self.start + b1].view(
+            bits_dtype(DTYPE_SIZES[_SAFETENSORS_DTYPES[e["dtype"]]])).reshape(e["shape"])
+
+    def tensor(self, name: str):
+        """The stored tensor `name` (its header's shape and dtype) as a torch view of the mapping; None when the
+        file has no such tensor or its bytes are not aligned to its element size (callers then read a copy)."""
+        import torch
+
+        a = self.array(name)
+        if a is None:
             return None
-        return self._bytes[begin:self.start + b1].view(dtype).reshape(e["shape"])
+        dtype = getattr(torch, _SAFETENSORS_DTYPES[self.header[name]["dtype"]])
+        if a.size == 0:
+            return torch.empty(a.shape, dtype=dtype)
+        if (self.start + self.header[name]["data_offsets"][0]) % dtype.itemsize:
+            return None
+        return torch.from_numpy(a).view(dtype)
 
     def close(self) -> None:
         self._bytes = None

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard_cli.errors import ConfigError
 from reshard_cli.io.files import atomic_write, atomic_write_text
 from reshard_cli.spec.layout import Layout
+
+if TYPE_CHECKING:  # torch is imported where a source or sink needs it: `reshard check` starts without it
+    import torch
 
 FORMAT = "reshard-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -70,6 +71,7 @@ def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors, with no two sharing storage (safetensors refuses shared storage)."""
+    import torch
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, x in tensors.items():

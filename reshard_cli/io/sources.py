@@ -21,15 +21,16 @@ import re
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.plan.geometry import Box
 from reshard_cli.spec.layout import Layout
 from reshard_cli.spec.models import _SAFETENSORS_DTYPES, Manifest, read_safetensors_header, read_safetensors_index
-from reshard_cli.transfer.verify import global_index
+
+if TYPE_CHECKING:  # torch is imported where a source or sink needs it: `reshard check` starts without it
+    import numpy as np
+    import torch
 
 KINDS = ("synthetic", "safetensors", "shards", "dcp", "megatron")
 _KEYS = {"synthetic": ("kind", "seed"), "safetensors": ("kind", "path"), "shards": ("kind", "path"),
@@ -46,6 +47,9 @@ def synthetic_values(t: int, box: Box, shape: tuple, dtype: torch.dtype, seed: i
     floats: h / 32768 - 1 cast to `dtype` (exact in fp32; rounded elementwise for narrower types, so still a
     pure function of (t, i, seed)); ints: h % 127; bool: h & 1.
     """
+    import torch
+
+    from reshard_cli.transfer.verify import global_index
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     idx = global_index(box, tuple(shape))
@@ -58,6 +62,7 @@ def synthetic_values(t: int, box: Box, shape: tuple, dtype: torch.dtype, seed: i
 
 
 def _torch_dtype(name: str) -> torch.dtype:
+    import torch
     return getattr(torch, name)
 
 
@@ -105,9 +110,10 @@ class Source:
         """`read` for several (tensor, box) pairs; sources that can batch override this."""
         return [self.read(t, box) for t, box in requests]
 
-    def view(self, t: int) -> torch.Tensor | None:
-        """The whole tensor `t` without copying it (e.g. a view of a memory-mapped file; do not write to it),
-        or None when this source cannot give one: then `read` boxes."""
+    def array(self, t: int) -> "np.ndarray | None":
+        """The whole tensor `t`'s raw bits as a numpy array without copying it (a view of a memory-mapped file,
+        one signed integer of the element's size per element: `rowsum.bits_dtype`; do not write to it), or None
+        when this source cannot give one: then `read` boxes."""
         return None
 
     def close(self) -> None:
@@ -123,6 +129,7 @@ class Source:
         return self.manifest.tensors[t]
 
     def _empty(self, t: int, box: Box) -> torch.Tensor:
+        import torch
         return torch.empty(box.sizes, dtype=_torch_dtype(self._spec(t).dtype))
 
     def _check_box(self, t: int, box: Box) -> None:
@@ -246,7 +253,7 @@ class SafetensorsSource(Source):
         self.files = files
         self.description = f"safetensors {shown} ({len(files)} file{'s' if len(files) != 1 else ''})"
         self._handles = _Handles()
-        self._maps: dict[Path, Any] = {}  # file -> MappedSafetensors, for `view`
+        self._maps: dict[Path, Any] = {}  # file -> MappedSafetensors, for `array`
 
     def _load_index(self, index: Path) -> list[Path]:
         self._file_of.update(read_safetensors_index(index))
@@ -275,9 +282,9 @@ class SafetensorsSource(Source):
             raise ConfigError(f"tensor {spec.name!r} is missing", file=self._where)
         return _read_slice(self._handles, f, spec.name, box.slices(), box.sizes, _torch_dtype(spec.dtype), str(box))
 
-    def view(self, t: int) -> torch.Tensor | None:
-        """Tensor `t` as a view of its file mapped into memory (`io.mapped`); None when it is not stored with
-        the manifest's shape and dtype or its bytes are misaligned (then `read` says what is wrong, or copies)."""
+    def array(self, t: int) -> "np.ndarray | None":
+        """Tensor `t`'s raw bits as a view of its file mapped into memory (`io.mapped`); None when it is not stored
+        with the manifest's shape and dtype (then `read` says what is wrong)."""
         from reshard_cli.io.mapped import MappedSafetensors
         spec = self._spec(t)
         f = self._file_of.get(spec.name)
@@ -289,10 +296,10 @@ class SafetensorsSource(Source):
             except (ConfigError, OSError, ValueError):
                 self._maps[f] = None
         m = self._maps[f]
-        x = m.tensor(spec.name) if m is not None else None
-        if x is None or tuple(x.shape) != spec.shape or x.dtype != _torch_dtype(spec.dtype):
+        if m is None or m.dtype(spec.name) != spec.dtype:
             return None
-        return x
+        x = m.array(spec.name)
+        return x if x is not None and tuple(x.shape) == spec.shape else None
 
     def close(self) -> None:
         self._handles.close()
@@ -384,6 +391,7 @@ class ShardsSource(Source):
         return shape, dtype, self._mfile
 
     def read(self, t: int, box: Box) -> torch.Tensor:
+        import torch
         self._check_box(t, box)
         spec = self._spec(t)
         dtype = _torch_dtype(spec.dtype)
@@ -447,6 +455,7 @@ _SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("co
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        import torch
         obj = None
         if (module, name) in _SAFE_GLOBALS:
             obj = super().find_class(module, name)
@@ -520,6 +529,7 @@ class DcpSource(Source):
         return self.read_many([(t, box)])[0]
 
     def read_many(self, requests: Sequence[tuple[int, Box]]) -> list[torch.Tensor]:
+        import torch
         outs: list[torch.Tensor] = []
         pieces = []
         for t, box in requests:
@@ -539,6 +549,7 @@ class DcpSource(Source):
     def _load(self, pieces) -> None:
         """One `dcp.load` that fills each piece (key, its metadata, offsets, sizes, output view) from the
         stored chunks overlapping that region of the key's global tensor."""
+        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -598,6 +609,7 @@ class MegatronDistSource(DcpSource):
         self.description = self.description.replace("dcp ", "megatron torch_dist ", 1)
 
     def check(self, layout: Layout, rank: int) -> None:
+        import torch
         from reshard_cli.formats import megatron
         vocab = re.compile(megatron._VOCAB)
         for t, _box in layout.held(rank):
@@ -620,6 +632,7 @@ class MegatronDistSource(DcpSource):
                 raise ConfigError(f"no Megatron key holds {spec.name!r}", file=self._mfile)
 
     def read_many(self, requests: Sequence[tuple[int, Box]]) -> list[torch.Tensor]:
+        import torch
         outs: list[torch.Tensor] = []
         pieces = []
         for t, box in requests:

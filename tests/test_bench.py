@@ -15,7 +15,7 @@ from reshard_cli.errors import ConfigError
 from reshard_cli.plan.geometry import Box
 
 TRAIN, INFER = ROOT / "layouts/demo/train.yaml", ROOT / "layouts/demo/infer.yaml"
-MODE_KEYS = ("seconds", "gbps", "wire_bytes", "peak_staging_bytes", "wrong")
+MODE_KEYS = ("seconds", "gbps", "wire_bytes", "peak_staging_bytes", "wrong", "cpu_seconds")
 
 
 def reshard(*args, timeout=240):
@@ -36,13 +36,14 @@ def test_bench_demo_pair_end_to_end(tmp_path):
     (case,) = doc["cases"]
     for key in ("name", "bytes", "link_limit_gbps"):
         assert key in case
-    assert case["bytes"] > 0 and case["link_limit_gbps"] > 0
+    assert case["bytes"] > 0 and case["link_limit_gbps"] > 0 and case["link_limit_cpu_seconds"] > 0
+    assert case["cores"] >= 1 and "CPU ms" in r.stdout
     assert set(case["modes"]) == {"auto", "reshard", "hybrid", "broadcast", "live", "dcp"}
     for mode, v in case["modes"].items():
         for key in MODE_KEYS:
             assert key in v, (mode, key)
         assert v["wrong"] == 0, mode
-        assert len(v["times"]) == 2 and v["seconds"] > 0
+        assert len(v["times"]) == 2 and v["seconds"] > 0 and v["cpu_seconds"] > 0
     dcp = case["modes"]["dcp"]
     assert dcp["bytes_written"] > 0 and dcp["wire_bytes"] >= dcp["bytes_written"]
     # reshard mode moves exactly the model once (no destination replicas, no topology)
@@ -55,10 +56,11 @@ def test_bench_demo_pair_end_to_end(tmp_path):
 
 def _fake_case(**seconds):
     modes = {m: {"seconds": s, "gbps": 1e9 / s / 1e9 if s else 0.0, "wire_bytes": 2_000_000_000,
-                 "peak_staging_bytes": 64 << 20, "wrong": 0} for m, s in seconds.items()}
+                 "peak_staging_bytes": 64 << 20, "wrong": 0, "cpu_seconds": 2 * s} for m, s in seconds.items()}
     return {"name": "fake", "model": "m", "bytes": 1_000_000_000, "tensors": 3, "src": "a", "src_ranks": 2,
             "dst": "b", "dst_ranks": 2, "bucket_bytes": 64 << 20, "link_limit_seconds": 0.08,
-            "link_limit_gbps": 12.5, "link_bytes": 1_000_000_000, "modes": modes}
+            "link_limit_gbps": 12.5, "link_bytes": 1_000_000_000, "link_limit_cpu_seconds": 0.1, "cores": 2,
+            "modes": modes}
 
 
 def test_ratios_and_table_formatting():
@@ -72,13 +74,17 @@ def test_ratios_and_table_formatting():
     lines = text.splitlines()
     assert lines[1].split()[:2] == ["#", "mode"] and "of link" in lines[1]
     reshard_row = next(line for line in lines if line.split()[0] == "reshard")
-    assert reshard_row.split()[1:3] == ["100.0", "10.00"]  # time ms, GB/s
+    assert reshard_row.split()[1:4] == ["100.0", "200.0", "10.00"]  # time ms, CPU ms, GB/s
+    assert next(line for line in lines if "link limit" in line).split()[2:4] == ["80.0", "100.0"]
     assert "4.00x" in reshard_row and "10.00x" in reshard_row and "80 %" in reshard_row
     assert "link limit" in text and "12.50" in text
     # a missing time gives "-", never a crash
     case = report.add_ratios(_fake_case(reshard=0.1, hybrid=0.2, broadcast=0.0, dcp=1.0))
     assert case["modes"]["reshard"]["vs_broadcast"] is None
     assert "-" in next(line for line in report.case_table(case).splitlines() if line.split()[0] == "reshard")
+    # a JSON written before the CPU column: "-" there too
+    del case["modes"]["hybrid"]["cpu_seconds"], case["link_limit_cpu_seconds"]
+    assert next(line for line in report.case_table(case).splitlines() if line.split()[0] == "hybrid").split()[2] == "-"
 
 
 def test_sweep_and_report_text():
@@ -95,6 +101,7 @@ def test_sweep_and_report_text():
     text = report.report_text(doc)
     assert "size sweep" in text and "x4" in text and "time growth for 4.0x the bytes: reshard 3.0x" in text
     assert "plan scaling" in text and "10.000" in text  # us per piece
+    assert "a run cannot take less than CPU ms / 2" in text
 
 
 def test_expected_values_catch_wrong_elements():

@@ -5,6 +5,7 @@ the figures (the report is written after the job, see `reshard_cli.bench.main`).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -135,6 +136,8 @@ def run_case(case: Case, opts: BenchOptions, rank: int, device: torch.device,
 
     times = torch.tensor([m.times for m in measures], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # per run: the slowest rank
+    cpu = torch.tensor([m.cpu for m in measures], dtype=torch.float64)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)  # per run: every process of the job
     wrong = torch.tensor([m.wrong for m in measures if m.name != "link"], dtype=torch.int64)
     dist.all_reduce(wrong, op=dist.ReduceOp.SUM)  # per run: wrong elements over all ranks
     staging = {m: launcher.allreduce_int(engines[m].peak_staging_bytes) for m in ENGINE_MODES}
@@ -145,13 +148,14 @@ def run_case(case: Case, opts: BenchOptions, rank: int, device: torch.device,
         return None
 
     per = {m.name: times[i].tolist() for i, m in enumerate(measures)}
+    per_cpu = {m.name: cpu[i].tolist() for i, m in enumerate(measures)}
     worst = {m.name: int(wrong[i].max()) for i, m in enumerate(x for x in measures if x.name != "link")}
     nbytes = src_l.manifest.nbytes
     modes: dict[str, dict] = {}
     for m in MODES:
         sec = _median(per[m])
         modes[m] = {"seconds": sec, "times": per[m], "gbps": nbytes / sec / 1e9 if sec else 0.0,
-                    "wrong": worst[m]}
+                    "cpu_seconds": _median(per_cpu[m]), "wrong": worst[m]}
         if m in ENGINE_MODES or m == "live":
             plan = plans[m if m in ENGINE_MODES else LIVE_MODE]
             modes[m].update(wire_bytes=plan.stats()["wire_bytes"], peak_staging_bytes=staging[m])
@@ -163,6 +167,7 @@ def run_case(case: Case, opts: BenchOptions, rank: int, device: torch.device,
         "model": src_l.manifest.name, "scale": case.scale, "src_ranks": src_l.size, "dst_ranks": dst_l.size,
         "tensors": len(man), "bytes": nbytes, "bucket_bytes": options.bucket_bytes, "topology": topo.describe(),
         "link_limit_seconds": t_link, "link_limit_times": per["link"], "link_bytes": link_bytes,
+        "link_limit_cpu_seconds": _median(per_cpu["link"]), "cores": _cores(),
         "link_limit_gbps": nbytes / t_link / 1e9 if t_link else 0.0,
         "link_wire_gbps": link_bytes / t_link / 1e9 if t_link else 0.0,
         "modes": modes,
@@ -184,6 +189,7 @@ class Measure:
     prepare: Callable[[], Any] | None = None
     check: Callable[[], int] | None = None
     times: list = field(default_factory=list)
+    cpu: list = field(default_factory=list)  # this process's CPU seconds (every thread, user + sys), per run
     wrong: list = field(default_factory=list)  # wrong elements on this rank, per run (warm-up first)
 
 
@@ -194,14 +200,16 @@ def rounds(measures: list[Measure], iters: int, device: torch.device) -> None:
             if m.prepare is not None:
                 m.prepare()
             launcher.sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             m.run()
+            c1 = time.process_time()  # before the barrier: its own CPU is not the mode's
             launcher.sync(device)
             dt = time.perf_counter() - t0
             if m.check is not None:
                 m.wrong.append(m.check())  # every run is verified, the warm-up too
             if r:  # the warm-up's time is dropped
                 m.times.append(dt)
+                m.cpu.append(c1 - c0)
 
 
 class Expected:
@@ -227,6 +235,11 @@ class Expected:
         from reshard_cli.transfer.verify import count_differing
 
         return sum(count_differing(x, self.get(t, x.dtype)) for t, x in data.items() if x.numel())
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (the job's processes share the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _median(xs: list[float]) -> float:

@@ -49,17 +49,21 @@ def case_table(case: dict) -> str:
     head = (f"{case['name']}: {case['model']} {fmt_bytes(case['bytes'])} in {case['tensors']} tensors  "
             f"{case['src']} ({case['src_ranks']} ranks) -> {case['dst']} ({case['dst_ranks']} ranks)  "
             f"bucket {fmt_bytes(case['bucket_bytes'])}")
-    rows = [["link limit", ms(case["link_limit_seconds"]), f"{case['link_limit_gbps']:.2f}",
-             fmt_bytes(case["link_bytes"]), "-", "-", "-", "-", "100 %"]]
+    rows = [["link limit", ms(case["link_limit_seconds"]), _cpu(case.get("link_limit_cpu_seconds")),
+             f"{case['link_limit_gbps']:.2f}", fmt_bytes(case["link_bytes"]), "-", "-", "-", "-", "100 %"]]
     for m in MODES:
         v = case["modes"].get(m)
         if v is None:
             continue
-        rows.append([m, ms(v["seconds"]), f"{v['gbps']:.2f}", fmt_bytes(v["wire_bytes"]),
+        rows.append([m, ms(v["seconds"]), _cpu(v.get("cpu_seconds")), f"{v['gbps']:.2f}", fmt_bytes(v["wire_bytes"]),
                      fmt_bytes(v["peak_staging_bytes"]) + ("*" if m == "dcp" else ""), v["wrong"],
                      _x(v.get("vs_broadcast")), _x(v.get("vs_dcp")), _pct(v.get("of_link"))])
-    return "\n".join([f"  {head}", table(["mode", "time ms", "GB/s", "wire", "staging", "#wrong", "vs bcast",
-                                          "vs dcp", "of link"], rows, indent="    ")])
+    return "\n".join([f"  {head}", table(["mode", "time ms", "CPU ms", "GB/s", "wire", "staging", "#wrong",
+                                          "vs bcast", "vs dcp", "of link"], rows, indent="    ")])
+
+
+def _cpu(seconds: float | None) -> str:
+    return ms(seconds) if seconds is not None else "-"  # a JSON written by an earlier version has none
 
 
 def present(items: list[dict]) -> list[str]:
@@ -96,6 +100,11 @@ def report_text(doc: dict) -> str:
               "concurrent isend/irecv). vs bcast / vs dcp: their time / this time. of link: this GB/s / link GB/s.",
               "  wire: plan network bytes (dcp: bytes written + read). staging: Engine.peak_staging_bytes per rank; "
               f"* dcp: {'; '.join(sorted(k for k in dcp_kinds if k))}."]
+    cores = {c.get("cores") for c in doc["cases"]} - {None}
+    if cores:
+        lines.append(f"  CPU ms: CPU time of every process of the job per run (all threads, user + sys; median): on "
+                     f"the {'/'.join(map(str, sorted(cores)))} cores they share, a run cannot take less than CPU ms / "
+                     f"{'/'.join(map(str, sorted(cores)))}.")
     if doc.get("sweep"):
         lines += ["", f"  size sweep: {doc['sweep'][0]['case']} at --scale {','.join(str(p['scale']) for p in doc['sweep'])}",
                   sweep_table(doc["sweep"])]

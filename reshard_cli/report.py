@@ -107,15 +107,9 @@ def _over(actual: float, ideal: float) -> str:
 
 
 def write_json(path: str | Path, doc: dict) -> None:
-    """Write atomically (temp file + rename) so a reader never sees half a file; a path that exists and is not
-    a regular file (/dev/null, /dev/stdout, a pipe) is written in place: renaming over it would replace it."""
-    text = json.dumps(doc, indent=1) + "\n"
-    path = Path(path)
-    if path.exists() and not path.is_file():
-        with open(path, "w") as f:
-            f.write(text)
-        return
-    atomic_write_text(path, text)
+    """Write atomically (temp file + rename) so a reader never sees half a file (`atomic_write`: /dev/null or a
+    pipe is written in place)."""
+    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
 
 
 def write_json_option(option: str, path: str | Path, doc: dict) -> None:
@@ -160,10 +154,7 @@ def write_pieces(path: str | Path, plan, pieces: Iterable, bcasts: Iterable) -> 
                 n += 1
 
     try:
-        if path.exists() and not path.is_file():  # /dev/null, a pipe: write in place, never rename over it
-            write(str(path))
-        else:
-            atomic_write(path, write)
+        atomic_write(path, write)
     except OSError as e:
         raise ConfigError(f"cannot write {path}: {e.strerror or e}", key="--pieces") from None
     return n

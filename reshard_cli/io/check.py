@@ -543,11 +543,10 @@ def _expected_blocks(src: Source, t: int, box: Box):
 
 
 def _bits(x) -> np.ndarray:
-    """A torch tensor's raw bits as a numpy array (`rowsum.bits_dtype` of its element size), on the CPU."""
-    import torch
+    """A torch tensor's raw bits as a numpy array (for sources read through torch)."""
+    from reshard_cli.transfer.verify import numpy_bits
 
-    x = x.detach().cpu()
-    return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]).numpy()
+    return numpy_bits(x)
 
 
 def _as_rows(block: np.ndarray, nrows: int) -> np.ndarray:

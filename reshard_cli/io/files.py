@@ -9,8 +9,12 @@ from typing import Callable
 
 def atomic_write(final: str | Path, write: Callable[[str], None]) -> None:
     """Call `write(tmp_path)` for a temporary file beside `final`, then rename it to `final`; the temporary
-    file is removed if anything fails."""
+    file is removed if anything fails. A `final` that exists and is not a regular file (/dev/null, /dev/stdout,
+    a pipe) is written in place: renaming over it would replace it."""
     final = Path(final)
+    if final.exists() and not final.is_file():
+        write(str(final))
+        return
     tmp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         write(str(tmp))

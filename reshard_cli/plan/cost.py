@@ -381,18 +381,18 @@ class _Model:
         return np.concatenate(keys), np.concatenate(vals), np.concatenate(gids)
 
     def route_arrays(self, routes: tuple) -> tuple:
-        """(indices of the reshard-path tensors, their direct flags, the broadcast tensors) of per-tensor routes."""
+        """(indices of the reshard-path tensors, their direct flags) of per-tensor routes."""
         np = _np()
         code = np.array([_ROUTE_CODE[r] for r in routes], dtype=np.int8)
         sel = np.flatnonzero(code != 2)
-        return sel, code[sel] == 1, np.flatnonzero(code == 2).tolist()
+        return sel, code[sel] == 1
 
     def reshard_loads(self, routes: tuple) -> dict | None:
         """Per kind (NET, NVL0, FWD): arrays over ranks of (bytes sent, bytes received, messages sent, messages
         received) of the reshard-path tensors of per-tensor `routes`."""
         np = _np()
         w = self.world
-        sel, direct, _b = self.route_arrays(routes)
+        sel, direct = self.route_arrays(routes)
         rows = self._rows(sel, direct, False)
         if rows is None or not len(rows[0]):
             return None
@@ -886,23 +886,8 @@ def predict(plan: Plan, topology: Topology | None = None, *, modes=MODES,
         model = model_for(plan, links, bucket_bytes)
         costs = {m: model.mode_cost(m, plan.routes_for(m)) for m in modes}
         bound = model.lower_bound()
-        auto = _route_summary(plan, plan.routes_for("auto")) if "auto" in modes else None
+        auto = plan.route_summary(plan.routes_for("auto")) if "auto" in modes else None
     return Prediction(links, topology.name, costs, bound, plan.mode, time.perf_counter() - t0, auto)
-
-
-def _route_summary(plan: Plan, routes: tuple) -> dict:
-    """Per route: classes, tensors and bytes that take it."""
-    out = {r: {"classes": 0, "tensors": 0, "bytes": 0} for r in ROUTES}
-    seen = set()
-    classes, cid = plan.class_index()
-    for i, item, r in zip(cid, plan.itemsizes(), routes):
-        o = out[r]
-        o["tensors"] += 1
-        o["bytes"] += classes[i].numel * item
-        if (i, r) not in seen:
-            seen.add((i, r))
-            o["classes"] += 1
-    return out
 
 
 def prediction_text(pred: Prediction) -> str:

@@ -387,31 +387,6 @@ class TensorClass:
             (rot_net, rot_in, rot_recv, [(senders[sid], ph, n) for (sid, ph), n in rot_by.items()], len(rsid)))
         return col
 
-    def reshard_loads(self, residue: int | None, direct: bool = False) -> _Loads:
-        """Loads of the entries whose sender depends on the rotation (at `residue`), or with residue None
-        of the entries with a single possible sender (the same for every tensor of the class)."""
-        col = self.columns(direct)
-        if residue is None:
-            return col.fixed_loads
-        key = (direct and self.splits, residue)
-        out = self._loads.get(key)
-        if out is None:
-            rot = self._rotating(direct and self.splits)
-            send: dict[int, int] = defaultdict(int)
-            for s, p, n in rot[3]:  # only who sends depends on the residue
-                send[s[(residue + p) % len(s)]] += n
-            out = self._loads[key] = _Loads(rot[0], rot[1], len(col.rsid), send, rot[2])
-        return out
-
-    def _rotating(self, direct: bool) -> tuple:
-        """The rotating entries' figures that do not depend on the residue (network and in-domain elements,
-        elements received per rank), their network elements summed per (senders, key mod L), their count."""
-        return self.columns(direct).rotating
-
-    def ideal_send(self, direct: bool = False) -> dict:
-        """Network elements per source rank if every piece were split evenly over its replicas."""
-        return self.columns(direct).ideal
-
     # ---- broadcast path
     def bcast(self, t: int) -> Bcast:
         if not self.src_boxes:  # a 0-element tensor: nothing to move
@@ -639,6 +614,21 @@ class Plan:
             self._index = (classes, cid)
         return self._index
 
+    def route_summary(self, routes: tuple) -> dict:
+        """Per route ("forward", "direct", "broadcast"): the classes, tensors and bytes that take it under
+        per-tensor `routes`."""
+        out = {r: {"classes": 0, "tensors": 0, "bytes": 0} for r in ROUTES}
+        seen = set()
+        classes, cid = self.class_index()
+        for i, item, r in zip(cid, self.itemsizes(), routes):
+            o = out[r]
+            o["tensors"] += 1
+            o["bytes"] += classes[i].numel * item
+            if (i, r) not in seen:
+                seen.add((i, r))
+                o["classes"] += 1
+        return out
+
     def itemsizes(self) -> list[int]:
         """Bytes per element of every tensor."""
         out = self._cache.get("items")
@@ -716,8 +706,6 @@ class Plan:
         baseline: dict[tuple, int] = defaultdict(int)  # (class, residue) -> Σ item, for broadcast_wire_bytes
         per_path = {p: {"tensors": 0, "bytes": 0, "wire_bytes": 0, "indomain_bytes": 0, "pieces": 0}
                     for p in ("reshard", "broadcast")}
-        per_route = {r: {"classes": 0, "tensors": 0, "bytes": 0} for r in ROUTES}
-        route_classes: set = set()
         min_wire = 0
         ideal: dict[int, float] = defaultdict(float)
         geo = [c.min_wire for c in classes]
@@ -732,12 +720,6 @@ class Plan:
             pp = path_of[route]
             pp["tensors"] += 1
             pp["bytes"] += nbytes
-            pr = per_route[route]
-            pr["tensors"] += 1
-            pr["bytes"] += nbytes
-            if (i, route) not in route_classes:
-                route_classes.add((i, route))
-                pr["classes"] += 1
             g = groups[(i, route, t % (bn[i] if route == "broadcast" else n[i]))]
             g[0] += 1
             g[1] += item
@@ -761,7 +743,7 @@ class Plan:
         for (i, route, residue), (count, items) in groups.items():
             c = classes[i]
             if route != "broadcast":  # who sends the rotating entries; the rest once per class, below
-                for sd, ph, v in c._rotating(route == "direct" and c.splits)[3]:
+                for sd, ph, v in c.columns(route == "direct").rotating[3]:
                     send[sd[(residue + ph) % len(sd)]] += v * items
                 pc = per_class[(i, route)]
                 pc[0] += count
@@ -773,11 +755,12 @@ class Plan:
                     ideal[r] += v * items
         for (i, route), (count, items) in per_class.items():  # entries with one possible sender: once per class
             c = classes[i]
-            add("reshard", c.reshard_loads(None, route == "direct"), count, items)
-            wire, indomain, rot_recv, _by, pieces = c._rotating(route == "direct" and c.splits)
+            col = c.columns(route == "direct")
+            add("reshard", col.fixed_loads, count, items)
+            wire, indomain, rot_recv, _by, pieces = col.rotating
             if pieces:
                 add("reshard", _Loads(wire, indomain, pieces, {}, rot_recv), count, items)
-            for r, v in c.ideal_send(route == "direct").items():
+            for r, v in col.ideal.items():
                 ideal[r] += v * items
         if recv_all:
             for r in self.dst.ranks:
@@ -815,7 +798,7 @@ class Plan:
                            for r in self.src.ranks + self.dst.ranks},
         }
         if self.mode == "auto":  # which route each class took: bytes, tensors and classes per route
-            out["routes"] = per_route
+            out["routes"] = self.route_summary(routes)
             out["routes_by"] = self._routes_by()
         out["plan_seconds"] = time.perf_counter() - t0
         return out

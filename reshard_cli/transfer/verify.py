@@ -113,8 +113,14 @@ def checksum_block(x: torch.Tensor, box: Box, shape: tuple, buf=None) -> int:
         return 0
     x = _on_cpu(x, box)
     cs = rowsum.RowChecksum(box, shape, x.element_size(), buf)
-    cs.update(0, x.view(_INT_VIEW[x.element_size()]).numpy().reshape(cs.rows.size, cs.ncols))
+    cs.update(0, numpy_bits(x).reshape(cs.rows.size, cs.ncols))
     return cs.value()
+
+
+def numpy_bits(x: torch.Tensor):
+    """`x`'s raw bits as the numpy array `rowsum` and `reshard check` read (a signed integer of the element's
+    size: int16 for bf16, ...), on the CPU; a view of `x` when it is on the CPU."""
+    return x.detach().cpu().view(_INT_VIEW[x.element_size()]).numpy()
 
 
 fmt = rowsum.fmt  # a checksum as the 16 hex digits manifests and reports show

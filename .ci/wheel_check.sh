@@ -97,7 +97,7 @@ for f in sorted((src / "reshard_cli").rglob("*.py")):
     if not where.startswith(site + os.sep):
         bad.append(f"{name}: imported from {where}")
 try:
-    from reshard_cli.spec.bundled import data_dir
+    from reshard_cli.layouts.bundled import data_dir
     data = os.path.realpath(data_dir())
     if data != os.path.join(site, "reshard_cli", "_data"):
         bad.append(f"bundled data read from {data}")

@@ -20,11 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from reshard_cli.spec import models  # noqa: E402
-from reshard_cli.spec.layout import load_pair  # noqa: E402
+from reshard_cli.layouts import models  # noqa: E402
+from reshard_cli.layouts.layout import load_pair  # noqa: E402
 from reshard_cli.plan.planner import Plan  # noqa: E402
-from reshard_cli.report import table  # noqa: E402
-from reshard_cli.spec.topology import NO_TOPOLOGY, load_topology  # noqa: E402
+from reshard_cli.base.text import table  # noqa: E402
+from reshard_cli.layouts.topology import NO_TOPOLOGY, load_topology  # noqa: E402
 
 PAIRS = [
     ("qwen3-30b-a3b", "megatron-tp2-ep4-pp2", "vllm-tp4-dp4"),

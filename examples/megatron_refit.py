@@ -216,7 +216,7 @@ def trainer(rank: int, case: dict, paths: dict) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from reshard_cli.spec.layout import layout_from_doc
+    from reshard_cli.layouts.layout import layout_from_doc
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
 
@@ -244,7 +244,7 @@ def trainer(rank: int, case: dict, paths: dict) -> None:
 
 def receiver(index: int, case: dict, paths: dict) -> None:
     from reshard_cli.io.sources import SafetensorsSource
-    from reshard_cli.spec.layout import layout_from_doc, load_layout
+    from reshard_cli.layouts.layout import layout_from_doc, load_layout
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
     from reshard_cli.transfer.shards import sentinel_buffers
@@ -308,7 +308,7 @@ def run_vllm_case(name: str, root: str, vllm_tp: int) -> dict:
     one refit, vLLM's greedy tokens and logprobs must equal those of a fresh vLLM engine loading A itself."""
     import vllm_refit as vr
 
-    from reshard_cli.transfer.comm import free_port
+    from reshard_cli.base.ports import free_port
     from reshard_cli.transfer.vllm_backend import LLMClient
 
     case = CASES[name]
@@ -366,7 +366,7 @@ def run_case(name: str, root: str, attempts: int = 3) -> dict:
 def _run_case(name: str, root: str) -> dict:
     import shutil
 
-    from reshard_cli.transfer.comm import free_port
+    from reshard_cli.base.ports import free_port
 
     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 

@@ -228,7 +228,7 @@ def summarize(report: dict) -> dict:
 def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> dict:
     import torch.multiprocessing as mp
 
-    from reshard_cli.transfer.comm import free_port
+    from reshard_cli.base.ports import free_port
     from reshard_cli.transfer.vllm_backend import LLMClient
 
     model_dir = make_model(kind, root)

@@ -20,9 +20,9 @@ fast and torch-free.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_pair": "reshard_cli.spec.layout",
-    "load_layout": "reshard_cli.spec.layout",
-    "load_topology": "reshard_cli.spec.topology",
+    "load_pair": "reshard_cli.layouts.layout",
+    "load_layout": "reshard_cli.layouts.layout",
+    "load_topology": "reshard_cli.layouts.topology",
     "Plan": "reshard_cli.plan.planner",
     "TransferOptions": "reshard_cli.plan.schedule",
     "Refit": "reshard_cli.transfer.live",

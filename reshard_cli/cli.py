@@ -64,7 +64,8 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
     import time
 
     from reshard_cli.plan.planner import Plan
-    from reshard_cli.report import fmt_bytes, plan_text, table, write_json_option, write_pieces
+    from reshard_cli.base.text import fmt_bytes, table, write_json_option
+    from reshard_cli.report import plan_text, write_pieces
 
     t0 = time.perf_counter()
     p = Plan.build(src, dst, topology=topology, mode=mode, reshard_match=reshard_match, scale=scale)
@@ -158,7 +159,7 @@ def run(
         typer.echo(launch.dry_run(launch.LaunchOptions(src=src, dst=dst, topology=topology, scale=scale,
                                                        argv=sys.argv[1:])))
         return
-    from reshard_cli.report import write_json_option
+    from reshard_cli.base.text import write_json_option
     from reshard_cli.transfer import run as run_mod
     from reshard_cli.transfer.launcher import under_torchrun
 
@@ -200,8 +201,8 @@ def check(
     """Check an output directory against its source, element by element, without torchrun."""
     from reshard_cli.errors import RuntimeFailure
     from reshard_cli.io.check import check_output
-    from reshard_cli.report import write_json_option
-    from reshard_cli.spec.layout import load_pair
+    from reshard_cli.base.text import write_json_option
+    from reshard_cli.layouts.layout import load_pair
 
     src_l, dst_l = load_pair(src, dst, scale=scale)
     result = check_output(src_l, dst_l, out, source)
@@ -230,7 +231,7 @@ def topo(
 
     from reshard_cli.hw import nvml
     from reshard_cli.hw.bandwidth import topo_text
-    from reshard_cli.report import write_json
+    from reshard_cli.base.text import write_json
 
     def write(path: Path, fn) -> None:
         try:

@@ -2,16 +2,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from reshard_cli.base.ports import free_port  # noqa: F401  (tests import it from here)
 
 
 def _entry(rank, world, port, fn, args, queue):
@@ -30,7 +25,7 @@ def _entry(rank, world, port, fn, args, queue):
 def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -12,8 +12,8 @@ import pytest
 from conftest import ROOT, write_pair
 from reshard_cli.plan import cost
 from reshard_cli.plan.planner import ROUTES, Plan
-from reshard_cli.spec.layout import load_pair
-from reshard_cli.spec.topology import Topology
+from reshard_cli.layouts.layout import load_pair
+from reshard_cli.layouts.topology import Topology
 from test_plan import check_coverage
 
 MiB = 1 << 20
@@ -135,8 +135,8 @@ sys.path.insert(0, {tests!r})
 from conftest import write_pair
 from pathlib import Path
 from reshard_cli import Plan
-from reshard_cli.spec.layout import load_pair
-from reshard_cli.spec.topology import Topology
+from reshard_cli.layouts.layout import load_pair
+from reshard_cli.layouts.topology import Topology
 src, dst = load_pair(*write_pair(Path({tmp!r}), {name!r}))
 plan = Plan(src, dst, Topology(name="t", ranks_per_domain={rpd}, links={links!r}), mode="auto")
 print(json.dumps([plan.class_routes(), [[p.tensor, p.src, p.dst, list(p.box.offsets), p.phase]

@@ -12,7 +12,7 @@ from conftest import ROOT
 
 from reshard_cli.bench import BenchOptions, measure, report, suite as bench_suite
 from reshard_cli.errors import ConfigError
-from reshard_cli.plan.geometry import Box
+from reshard_cli.base.geometry import Box
 
 TRAIN, INFER = ROOT / "layouts/demo/train.yaml", ROOT / "layouts/demo/infer.yaml"
 MODE_KEYS = ("seconds", "gbps", "wire_bytes", "peak_staging_bytes", "wrong", "cpu_seconds")
@@ -105,7 +105,7 @@ def test_sweep_and_report_text():
 
 
 def test_expected_values_catch_wrong_elements():
-    from reshard_cli.spec.models import TensorSpec
+    from reshard_cli.layouts.models import TensorSpec
     from reshard_cli.io.sources import synthetic_values
     from reshard_cli.transfer.shards import LocalShard, fill_sentinel
 
@@ -126,8 +126,8 @@ def test_cpu_suite_fits_six_processes(tmp_path):
     suite = bench_suite.load_suite("cpu", tmp_path)
     assert len(suite.cases) >= 2 and suite.sweep_case in [c.name for c in suite.cases] and suite.sizes
     assert bench_suite.world_needed(suite) <= 6
-    from reshard_cli.spec import bundled
-    from reshard_cli.spec.layout import load_pair
+    from reshard_cli.layouts import bundled
+    from reshard_cli.layouts.layout import load_pair
 
     scaled = [c for c in suite.cases if c.scale == 16]
     assert scaled and all("demo/train" in (c.src, c.dst) for c in scaled)  # bundled names, kept as written

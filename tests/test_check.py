@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 
 from conftest import PAIRS, ROOT, call_main, write_pair
 from reshard_cli.io import sinks
-from reshard_cli.transfer import rowsum, verify
+from reshard_cli.base import checksums, rowsum
 from reshard_cli.io.check import blocks, check_output
-from reshard_cli.plan.geometry import Box
-from reshard_cli.spec.layout import load_pair
+from reshard_cli.base.geometry import Box
+from reshard_cli.layouts.layout import load_pair
 from reshard_cli.io.sources import open_source, synthetic_values
 
 TRAIN, INFER = ROOT / "layouts/demo/train.yaml", ROOT / "layouts/demo/infer.yaml"
@@ -34,7 +34,7 @@ def make_output(src, dst, out, seed=0):
                 tensors[spec.name] = x
                 listed[spec.name] = {"shape": list(spec.shape), "offsets": list(box.offsets),
                                      "local_shape": list(box.sizes), "dtype": spec.dtype,
-                                     "checksum": verify.fmt(verify.checksum(x, box, spec.shape))}
+                                     "checksum": checksums.fmt(checksums.checksum(x, box, spec.shape))}
         sinks.write_rank_file(out, i, tensors)
         entries.append({"index": i, "rank": r, "tensors": listed})
     sinks.write_manifest(out, sinks.build_manifest(src_l, dst_l, entries))
@@ -278,20 +278,20 @@ def _np(x):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fast_checksum_is_bit_identical(dtype):
-    """rowsum.RowChecksum (numpy, raw bits) / checksum_block give exactly verify.checksum (torch): any dtype, 0-4
+    """rowsum.RowChecksum (numpy, raw bits) / checksum_block give exactly checksums.checksum (torch): any dtype, 0-4
     dims, offsets, > 65536 columns, strided input, rows fed in chunks or as row sums."""
     g = torch.Generator().manual_seed(7)
     buf = rowsum.checksum_buffer()
     for trial in range(40):
         ndim = trial % 5
         shape, box, x = _random_region(g, dtype, ndim, wide=trial % 7 == 3)
-        want = verify.checksum(x, box, shape)
-        assert verify.checksum_block(x, box, shape) == want, (shape, box)
-        assert verify.checksum_block(x, box, shape, buf) == want
+        want = checksums.checksum(x, box, shape)
+        assert checksums.checksum_block(x, box, shape) == want, (shape, box)
+        assert checksums.checksum_block(x, box, shape, buf) == want
         if ndim >= 2:  # a strided view of the same values
             xt = x.transpose(0, -1).contiguous().transpose(0, -1)
             assert not xt.is_contiguous() or x.shape[0] == 1 or x.shape[-1] == 1
-            assert verify.checksum_block(xt, box, shape, buf) == want
+            assert checksums.checksum_block(xt, box, shape, buf) == want
         cs = rowsum.RowChecksum(box, shape, x.element_size(), buf)
         rows = _np(x).reshape(cs.rows.size, cs.ncols)
         half = rows.shape[0] // 2
@@ -305,12 +305,12 @@ def test_fast_checksum_block_sizes():
     g = torch.Generator().manual_seed(3)
     shape, box = (10, 40, 7), Box((3, 11, 2), (6, 25, 5))
     x = torch.randn(box.sizes, generator=g).to(torch.bfloat16)
-    want = verify.checksum(x, box, shape)
+    want = checksums.checksum(x, box, shape)
     for limit in (1, 5, 6, 7, 35, 1000, 1 << 20):
         total = 0
         for offs, sizes in blocks(box.sizes, limit):
             sub = Box(tuple(o + a for o, a in zip(box.offsets, offs)), sizes)
-            total += verify.checksum_block(x[tuple(slice(a, a + s) for a, s in zip(offs, sizes))], sub, shape)
+            total += checksums.checksum_block(x[tuple(slice(a, a + s) for a, s in zip(offs, sizes))], sub, shape)
         assert total & ((1 << 64) - 1) == want, limit
 
 
@@ -359,7 +359,7 @@ def test_fast_synthetic_values_are_the_generator_s(dtype):
                 cs.update(0, got)
             else:
                 cs.set_row_sums(0, sums)
-            assert cs.value() == verify.checksum(synthetic_values(t, box, shape, dtype, seed), box, shape)
+            assert cs.value() == checksums.checksum(synthetic_values(t, box, shape, dtype, seed), box, shape)
     assert kinds == {"periodic", "rows", "copy"}
 
 
@@ -382,7 +382,7 @@ def test_same_bits_any_alignment():
                 wide[:, 3:3 + cols] = got
                 wide[:, 8 // item:8 // item + cols] = got
                 for want in (got.clone(), wide[:, 3:3 + cols], wide[:, 8 // item:8 // item + cols]):
-                    same = verify.differing(got, want) is None
+                    same = checksums.differing(got, want) is None
                     assert same_bits(got, want, scratch) == same
                     for pos in {0, n // item // 2, n // item - 1}:
                         bad = want.clone()
@@ -406,7 +406,7 @@ def test_mapped_file_views(tmp_path):
         back = load_file(tmp_path / "f.safetensors")
         for name, x in back.items():
             v = m.tensor(name)
-            assert v is not None and v.dtype == x.dtype and v.shape == x.shape and verify.differing(v, x) is None
+            assert v is not None and v.dtype == x.dtype and v.shape == x.shape and checksums.differing(v, x) is None
             a = m.array(name)
             assert m.dtype(name) == str(x.dtype).removeprefix("torch.") and np.array_equal(a, _np(x))
         assert m.tensor("nope") is None
@@ -449,7 +449,7 @@ def test_flipped_byte_every_source(copy, ckpt, tmp_path, source, tensor, element
     shard = load_file(out / "rank-00001.safetensors")[tensor]
     t = dst_l.manifest.index(tensor)
     box = dst_l.placements[t].box_of(dst_l.manifest.tensors[t].shape, 5)
-    csum = verify.fmt(verify.checksum(shard, box, dst_l.manifest.tensors[t].shape))
+    csum = checksums.fmt(checksums.checksum(shard, box, dst_l.manifest.tensors[t].shape))
     checks = [p for p in res.problems if p.kind == "checksum"]
     assert len(checks) == 1 and f"checksum of the file's shard is {csum}" in checks[0].message
     assert len(res.problems) == 2
@@ -465,7 +465,7 @@ def test_flipped_byte_in_repeating_rows(tmp_path):
     shard = load_file(out / "rank-00000.safetensors")[name]
     t = dst_l.manifest.index(name)
     spec = dst_l.manifest.tensors[t]
-    csum = verify.fmt(verify.checksum(shard, dst_l.placements[t].box_of(spec.shape, dst_l.ranks[0]), spec.shape))
+    csum = checksums.fmt(checksums.checksum(shard, dst_l.placements[t].box_of(spec.shape, dst_l.ranks[0]), spec.shape))
     for block in (1 << 16, 1 << 22):
         res = check_output(src_l, dst_l, out, block_elems=block)
         assert [(p.kind, p.tensor) for p in res.problems] == [("values", name), ("checksum", name)]

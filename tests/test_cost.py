@@ -9,9 +9,9 @@ import pytest
 
 from conftest import ROOT
 from reshard_cli.plan import cost
-from reshard_cli.spec.layout import load_pair
+from reshard_cli.layouts.layout import load_pair
 from reshard_cli.plan.planner import MODES, Plan
-from reshard_cli.spec.topology import Topology, load_topology
+from reshard_cli.layouts.topology import Topology, load_topology
 
 MiB = 1 << 20
 LINKS = {"network_gbps": 1.0, "nvlink_gbps": 10.0, "latency_us": 100.0}

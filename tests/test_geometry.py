@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from reshard_cli.plan.geometry import Box, chunk_range, is_contiguous_region, shard_box
+from reshard_cli.base.geometry import Box, chunk_range, is_contiguous_region, shard_box
 
 
 def torch_box(shape, mesh_shape, coord, placements):

@@ -11,8 +11,8 @@ import pytest
 from conftest import ROOT
 from reshard_cli.transfer import dryrun as launch
 from reshard_cli.errors import ConfigError
-from reshard_cli.spec.layout import load_pair
-from reshard_cli.spec.topology import load_topology
+from reshard_cli.layouts.layout import load_pair
+from reshard_cli.layouts.topology import load_topology
 
 TRAIN = "layouts/demo/train.yaml"
 INFER = "layouts/demo/infer.yaml"

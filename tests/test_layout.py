@@ -9,8 +9,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from conftest import ROOT, SMALL_MODEL
 from reshard_cli.errors import ConfigError
-from reshard_cli.spec.layout import load_layout, load_pair
-from reshard_cli.spec.topology import load_topology
+from reshard_cli.layouts.layout import load_layout, load_pair
+from reshard_cli.layouts.topology import load_topology
 
 
 def write(tmp_path, name, body, model=SMALL_MODEL):

@@ -1,4 +1,4 @@
-"""Tests for reshard_cli.spec.models: HF-config manifests, safetensors headers, YAML tensor lists, diff()."""
+"""Tests for reshard_cli.layouts.models: HF-config manifests, safetensors headers, YAML tensor lists, diff()."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.spec.models import (
+from reshard_cli.layouts.models import (
     DTYPE_SIZES,
     Manifest,
     TensorSpec,

@@ -52,7 +52,7 @@ def test_bundled_names_resolve_outside_the_repository(tmp_path, extra):
 
 def test_editable_install_reads_the_repository_layouts(tmp_path):
     """`pip install -e .` (as .ci/run does): the installed package is this checkout's and reads its layouts/."""
-    p = subprocess.run([sys.executable, "-c", "import reshard_cli, reshard_cli.spec.bundled as b; "
+    p = subprocess.run([sys.executable, "-c", "import reshard_cli, reshard_cli.layouts.bundled as b; "
                         "print(reshard_cli.__file__); print(b.data_dir())"],
                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     if p.returncode != 0 and "No module named 'reshard_cli'" in p.stderr:

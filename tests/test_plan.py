@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from conftest import PAIRS, ROOT, write_pair
-from reshard_cli.spec.layout import load_pair
+from reshard_cli.layouts.layout import load_pair
 from reshard_cli.plan.planner import Plan
-from reshard_cli.spec.topology import Topology
+from reshard_cli.layouts.topology import Topology
 
 TOPOLOGIES = [Topology(), Topology(name="pairs", ranks_per_domain=2), Topology(name="all", ranks_per_domain=64),
               # with link figures, so that mode auto weighs its routes (slow links: messages and bytes both count)
@@ -187,6 +187,6 @@ def test_layouts_listing_tensors_in_other_orders_pair_by_name(tmp_path):
     x = [p for p in plan.pieces() if p.tensor == 0]
     assert {p.box.sizes for p in x} == {(2, 3)}  # rows of x (src) meet columns of x (dst), not y
     from reshard_cli.errors import ConfigError
-    from reshard_cli.spec.layout import load_layout
+    from reshard_cli.layouts.layout import load_layout
     with pytest.raises(ConfigError, match="different orders"):
         Plan(src, load_layout(tmp_path / "dst.yaml", first_rank=2))

@@ -15,11 +15,11 @@ from safetensors.torch import save_file
 from conftest import PAIRS, SMALL_MODEL, write_pair
 from reshard_cli.io import sinks
 from reshard_cli.errors import ConfigError, RuntimeFailure
-from reshard_cli.plan.geometry import Box
-from reshard_cli.spec.layout import load_layout, load_pair
+from reshard_cli.base.geometry import Box
+from reshard_cli.layouts.layout import load_layout, load_pair
 from reshard_cli.io.sources import (DcpSource, SafetensorsSource, ShardsSource, SyntheticSource, open_source,
                                  synthetic_values)
-from reshard_cli.transfer.verify import checksum, fmt
+from reshard_cli.base.checksums import checksum, fmt
 
 # SMALL_MODEL plus an int64 tensor (sharded: its name matches the `embed` rules), a 0-d int64 and a bool.
 EXT_MODEL = SMALL_MODEL.rstrip("\n") + """

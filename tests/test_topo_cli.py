@@ -12,7 +12,7 @@ import yaml
 
 from conftest import ROOT
 from reshard_cli.hw.nvml import discover, domains_from_keys, rank_domain_key, render, to_topology
-from reshard_cli.spec.topology import load_topology
+from reshard_cli.layouts.topology import load_topology
 from test_check import call_main
 from test_nvml import FakeNvml
 

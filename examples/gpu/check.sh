@@ -15,7 +15,7 @@ reshard plan --src layouts/qwen3-30b-a3b/megatron-tp2-ep4-pp2.yaml --dst layouts
 # the transport's CUDA path on one GPU: checksums of device tensors equal those of their CPU copies
 python - <<'PY' | tee "$out/cuda.txt"
 import torch
-from reshard_cli.plan.geometry import Box
+from reshard_cli.base.geometry import Box
 from reshard_cli.transfer.verify import checksum
 x = torch.randn(4096, 4096, device="cuda").to(torch.bfloat16)
 print("cuda checksum equal to cpu:", checksum(x, Box.full(x.shape), tuple(x.shape)) == checksum(x.cpu(), Box.full(x.shape), tuple(x.shape)))

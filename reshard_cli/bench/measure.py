@@ -84,8 +84,8 @@ def run_case(case: Case, opts: BenchOptions, rank: int, device: torch.device,
     from reshard_cli.io.sources import SyntheticSource
     from reshard_cli.plan.planner import Plan
     from reshard_cli.plan.schedule import TransferOptions
-    from reshard_cli.spec.layout import load_pair
-    from reshard_cli.spec.topology import NO_TOPOLOGY, load_topology
+    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.layouts.topology import NO_TOPOLOGY, load_topology
     from reshard_cli.transfer.engine import Engine
     from reshard_cli.transfer.linktest import LinkTest
     from reshard_cli.transfer.shards import fill_sentinel, read_source_shards, sentinel_buffers
@@ -238,7 +238,7 @@ class Expected:
 
     def wrong(self, data: dict[int, torch.Tensor]) -> int:
         """Elements that differ from the expected values, bit for bit."""
-        from reshard_cli.transfer.verify import count_differing
+        from reshard_cli.base.checksums import count_differing
 
         return sum(count_differing(x, self.get(t, x.dtype)) for t, x in data.items() if x.numel())
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from reshard_cli.bench.suite import MODES, BenchOptions
 from reshard_cli.errors import ConfigError, RuntimeFailure
-from reshard_cli.report import fmt_bytes, table, write_json
+from reshard_cli.base.text import fmt_bytes, table, write_json
 
 
 def say(msg: str) -> None:

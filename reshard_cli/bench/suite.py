@@ -78,9 +78,9 @@ def load_suite(spec: str, workdir: Path) -> Suite:
     `workdir` (this process's own)."""
     import yaml
 
-    from reshard_cli.spec import bundled
-    from reshard_cli.spec.models import bundled_models
-    from reshard_cli.spec.yamlio import check_keys, line_of, load_yaml
+    from reshard_cli.layouts import bundled
+    from reshard_cli.layouts.models import bundled_models
+    from reshard_cli.layouts.yamlio import check_keys, line_of, load_yaml
 
     try:
         path = bundled.resolve("suite", spec)
@@ -191,8 +191,8 @@ def sweep_cases(suite: Suite) -> list[Case]:
 
 def world_needed(suite: Suite) -> int:
     """Load every pair (validating it) and return the world size the job needs."""
-    from reshard_cli.spec.layout import load_pair
-    from reshard_cli.spec.topology import load_topology
+    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.layouts.topology import load_topology
 
     world = 0
     for c in suite.cases + [c for c in sweep_cases(suite) if c.scale != case_named(suite, c.name).scale]:

@@ -42,7 +42,7 @@ from pathlib import Path
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import doc_line, format_mesh, format_options, storage_summary
 from reshard_cli.formats.storage import EngineTensor, View
-from reshard_cli.plan.geometry import Box
+from reshard_cli.base.geometry import Box
 
 DIMS = ("pp", "dp", "cp", "tp")  # dense grid, slowest first (Megatron's default order tp-cp-ep-dp-pp)
 MEGATRON_KEYS = ("expert_model_parallel_size", "expert_tensor_parallel_size", "make_vocab_size_divisible_by",
@@ -324,7 +324,7 @@ def _vocab_rows(layout, t: int) -> int | None:
     p = layout.placements[t]
     if p.pad <= 1 or not re.search(_VOCAB, layout.manifest.tensors[t].name):
         return None
-    from reshard_cli.plan.geometry import chunk_size
+    from reshard_cli.base.geometry import chunk_size
     parts = 1
     for s, size in zip(p.shard, p.mesh.shape):
         if s == 0:
@@ -433,7 +433,7 @@ def bind(params: dict, layout, rank: int, casts: list | None = None) -> dict:
     that a caller keeping the binding between refits can refresh the copies (`copy.copy_(parameter)`)."""
     import torch
 
-    from reshard_cli.transfer.shards import Fragments
+    from reshard_cli.base.fragments import Fragments
 
     have = {_strip(n): p for n, p in params.items()}
     names = [t.name for t in layout.manifest.tensors]
@@ -560,7 +560,7 @@ def summary(layout, rank: int | None = None) -> dict:
 
 def live_layout(model, hf_model, *, rank: int | None = None, file: str = "<megatron model>"):
     """`live_layout_doc`, loaded: the Layout to pass as `Refit(src=...)`."""
-    from reshard_cli.spec.layout import layout_from_doc
+    from reshard_cli.layouts.layout import layout_from_doc
 
     return layout_from_doc(live_layout_doc(model, hf_model, rank=rank, file=file), file=file)
 
@@ -577,7 +577,7 @@ def live_layout_doc(model, hf_model, *, rank: int | None = None, file: str = "<m
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from reshard_cli.spec.layout import layout_from_doc
+    from reshard_cli.layouts.layout import layout_from_doc
 
     hf_model = Path(hf_model).resolve() if Path(hf_model).exists() else hf_model  # any process can read it
     chunks = model if isinstance(model, (list, tuple)) else [model]

@@ -28,7 +28,7 @@ class EngineTensor:
 
     @property
     def nbytes(self) -> int:
-        from reshard_cli.spec.models import DTYPE_SIZES
+        from reshard_cli.layouts.models import DTYPE_SIZES
         n = DTYPE_SIZES[self.dtype]
         for s in self.shape:
             n *= s

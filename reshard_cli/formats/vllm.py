@@ -235,7 +235,7 @@ def storage(layout, rank: int) -> list[EngineTensor]:
 
 def _padded_part(n: int, placement) -> int:
     """Rows of one TP rank's part of a vocab of `n` rows padded as vLLM pads it (one mesh dim shards it)."""
-    from reshard_cli.plan.geometry import chunk_size
+    from reshard_cli.base.geometry import chunk_size
 
     parts = 1
     for s, size in zip(placement.shard, placement.mesh.shape):

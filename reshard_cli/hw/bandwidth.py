@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from reshard_cli.transfer.comm import free_port
+from reshard_cli.base.ports import free_port
 
 REPEATS = 5        # copies: best of this many
 P2P_REPEATS = 3    # process to process: best of this many
@@ -129,7 +129,7 @@ def measure(mb: int = 256, *, repeats: int = REPEATS) -> list[dict]:
 
 
 def bandwidth_table(rows: list[dict]) -> str:
-    from reshard_cli.report import fmt_bytes, table
+    from reshard_cli.base.text import fmt_bytes, table
 
     return "\n" + "bandwidth (best of a few):\n" + table(
         ["test", "from", "to", "size", "ms", "GB/s"],
@@ -159,7 +159,7 @@ def job_topology(*, bandwidth: bool = False, mb: int = 256) -> dict | None:
 
     from reshard_cli.hw import nvml
     from reshard_cli.errors import ReshardError
-    from reshard_cli.spec.yamlio import format_ranks
+    from reshard_cli.layouts.yamlio import format_ranks
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.spec.topology import Topology
-from reshard_cli.spec.yamlio import format_ranks
+from reshard_cli.layouts.topology import Topology
+from reshard_cli.layouts.yamlio import format_ranks
 
 __all__ = [
     "Link", "Gpu", "HostInfo", "Discovery",

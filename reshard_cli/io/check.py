@@ -12,7 +12,7 @@ restricted header parse, no pickle) and its shards are raw-bits views of the map
 safetensors source is mapped the same way (`Source.array`); synthetic values are compared in place against one
 cached period of the generator (`_WindowRows`) or generated per block at copy speed; other sources are read with
 `Source.read` (torch), block by block. Each block is compared as int64 words and checksummed in the same pass
-(`rowsum.RowChecksum`, bit for bit the value `verify.checksum` gives). The shards of a rank file are compared
+(`rowsum.RowChecksum`, bit for bit the value `checksums.checksum` gives). The shards of a rank file are compared
 on a few threads (`_Workers`); problems are reported in the same order either way. Memory stays bounded: one
 block of one shard at a time per thread (at most `BLOCK_ELEMS` elements, split along the first dims so that a
 block is a dense sub-box).
@@ -33,10 +33,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from reshard_cli.io import sinks
-from reshard_cli.transfer import rowsum
+from reshard_cli.base import rowsum
 from reshard_cli.errors import ConfigError
-from reshard_cli.plan.geometry import Box
-from reshard_cli.spec.layout import Layout
+from reshard_cli.base.geometry import Box
+from reshard_cli.layouts.layout import Layout
 from reshard_cli.io.mapped import MappedSafetensors
 from reshard_cli.io.sources import Source, SyntheticSource, open_source
 
@@ -113,7 +113,7 @@ class CheckResult:
                 "problems": [asdict(p) for p in self.problems]}
 
     def text(self, limit: int = 50) -> str:
-        from reshard_cli.report import fmt_bytes, table
+        from reshard_cli.base.text import fmt_bytes, table
 
         lines = [f"reshard check: {self.model}  {self.src} -> {self.dst} ({len(self.ranks)} ranks)  "
                  f"source {self.source}  out {self.out}"]
@@ -349,7 +349,7 @@ def _compare(got_all: np.ndarray, expected, box: Box, shape: tuple, block_elems:
 
     One pass over the file's shard (`got_all`: its raw bits, a view of the mapped file): each block, seen as rows
     [rows, last dim], is compared with the source's block as int64 words and fed to the checksum
-    (`rowsum.RowChecksum`, the same value as `verify.checksum`). The source's block is a view of the source when
+    (`rowsum.RowChecksum`, the same value as `checksums.checksum`). The source's block is a view of the source when
     it has one (`Source.array`), synthetic values generated at copy speed, or `Source.read` (`expected`, from
     `_expected_blocks`). For synthetic values
     the checksum's row sums come from the values themselves when the block equals them (rows repeat: see
@@ -544,7 +544,7 @@ def _expected_blocks(src: Source, t: int, box: Box):
 
 def _bits(x) -> np.ndarray:
     """A torch tensor's raw bits as a numpy array (for sources read through torch)."""
-    from reshard_cli.transfer.verify import numpy_bits
+    from reshard_cli.base.checksums import numpy_bits
 
     return numpy_bits(x)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.spec.models import _SAFETENSORS_DTYPES, DTYPE_SIZES, read_safetensors_header
-from reshard_cli.transfer.rowsum import bits_dtype
+from reshard_cli.layouts.models import _SAFETENSORS_DTYPES, DTYPE_SIZES, read_safetensors_header
+from reshard_cli.base.rowsum import bits_dtype
 
 
 class MappedSafetensors:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.io.files import atomic_write, atomic_write_text
-from reshard_cli.spec.layout import Layout
+from reshard_cli.base.files import atomic_write, atomic_write_text
+from reshard_cli.layouts.layout import Layout
 
 if TYPE_CHECKING:  # torch is imported where a source or sink needs it: `reshard check` starts without it
     import torch

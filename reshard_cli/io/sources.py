@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
-from reshard_cli.plan.geometry import Box
-from reshard_cli.spec.layout import Layout
-from reshard_cli.spec.models import _SAFETENSORS_DTYPES, Manifest, read_safetensors_header, read_safetensors_index
+from reshard_cli.base.geometry import Box
+from reshard_cli.layouts.layout import Layout
+from reshard_cli.layouts.models import _SAFETENSORS_DTYPES, Manifest, read_safetensors_header, read_safetensors_index
 
 if TYPE_CHECKING:  # torch is imported where a source or sink needs it: `reshard check` starts without it
     import numpy as np
@@ -49,7 +49,7 @@ def synthetic_values(t: int, box: Box, shape: tuple, dtype: torch.dtype, seed: i
     """
     import torch
 
-    from reshard_cli.transfer.verify import global_index
+    from reshard_cli.base.checksums import global_index
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     idx = global_index(box, tuple(shape))
@@ -739,7 +739,7 @@ def open_source(spec: Any, layout: Layout, *, base_dir: Path | None = None) -> S
     if not isinstance(spec, dict):
         raise ConfigError(f"expected a mapping like {{kind: safetensors, path: ckpt/}} or a string, got "
                           f"{type(spec).__name__}", file=file, key="source", line=getattr(spec, "line", None))
-    from reshard_cli.spec.yamlio import check_keys, line_of
+    from reshard_cli.layouts.yamlio import check_keys, line_of
     kind = spec.get("kind")
     if kind not in KINDS:
         raise ConfigError(f"unknown source kind {kind!r} (kinds: {', '.join(KINDS)})", file=file,

@@ -61,7 +61,7 @@ from typing import Any
 
 from reshard_cli.plan.planner import FWD, MODES, NET, NVL0, ROUTES, Plan, no_gc
 from reshard_cli.plan.schedule import PackFiller, TransferOptions, align
-from reshard_cli.spec.topology import NO_TOPOLOGY, Topology
+from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology
 
 DEFAULT_BUCKET_BYTES = TransferOptions().bucket_bytes  # `reshard run --bucket-mb 64`
 GB = 1e9
@@ -809,7 +809,7 @@ def fmt_seconds(x: float) -> str:
 
 
 def _gb(n: float) -> str:
-    from reshard_cli.report import fmt_bytes
+    from reshard_cli.base.text import fmt_bytes
     return fmt_bytes(n)
 
 

@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.plan.geometry import Box
-from reshard_cli.spec.layout import Layout, Placement, load_pair
-from reshard_cli.spec.topology import NO_TOPOLOGY, Topology, load_topology
+from reshard_cli.base.geometry import Box
+from reshard_cli.layouts.layout import Layout, Placement, load_pair
+from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 
 MODES = ("auto", "hybrid", "reshard", "broadcast")
 ROUTES = ("forward", "direct", "broadcast")  # a tensor's route; also auto's tie-break order

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from reshard_cli.plan.geometry import Box, is_contiguous_region
+from reshard_cli.base.geometry import Box, is_contiguous_region
 from reshard_cli.plan.planner import Bcast, Plan
 
 ALIGN = 16  # byte alignment of every item inside a bucket or pack

@@ -15,7 +15,6 @@ fewest bytes).
 from __future__ import annotations
 
 import pickle
-import socket
 import time
 from datetime import timedelta
 from typing import Callable
@@ -113,13 +112,6 @@ class GroupComm:
         self.pg.allreduce([moved], opts).wait()
         if moved is not t:
             t.copy_(moved)
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port free on this machine now (for a rendezvous this process will host)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 300.0,

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Sequence
 
 from reshard_cli.errors import ConfigError, ReshardError
-from reshard_cli.spec.layout import Layout, load_pair
-from reshard_cli.spec.topology import NO_TOPOLOGY, Topology, load_topology
+from reshard_cli.layouts.layout import Layout, load_pair
+from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 
 DEFAULT_PORT = 29500
 DEFAULT_GPUS_PER_NODE = 8

@@ -21,11 +21,11 @@ from typing import Callable
 import torch
 
 from reshard_cli.plan import schedule
-from reshard_cli.plan.geometry import Box
+from reshard_cli.base.geometry import Box
 from reshard_cli.plan.planner import Bcast, Plan
 from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.transfer.comm import WORLD
-from reshard_cli.transfer.shards import Fragments
+from reshard_cli.base.fragments import Fragments
 
 
 @dataclass

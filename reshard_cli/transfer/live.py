@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.spec.layout import Layout, Mesh, Placement, load_layout, load_pair
-from reshard_cli.spec.models import Manifest, TensorSpec
+from reshard_cli.layouts.layout import Layout, Mesh, Placement, load_layout, load_pair
+from reshard_cli.layouts.models import Manifest, TensorSpec
 from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
-from reshard_cli.spec.topology import NO_TOPOLOGY, Topology, load_topology
+from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.transfer import verify
 from reshard_cli.transfer.comm import WORLD, GroupComm
 from reshard_cli.transfer.engine import Engine

@@ -34,8 +34,9 @@ import torch.distributed as dist
 from reshard_cli.errors import ConfigError, RuntimeFailure
 from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
-from reshard_cli.spec.layout import load_pair
-from reshard_cli.spec.topology import NO_TOPOLOGY, load_topology
+from reshard_cli.layouts.layout import load_pair
+from reshard_cli.layouts.topology import NO_TOPOLOGY, load_topology
+from reshard_cli.base import checksums
 from reshard_cli.transfer import launcher, verify
 from reshard_cli.transfer.dryrun import world_size
 from reshard_cli.transfer.engine import Engine
@@ -171,7 +172,7 @@ def _push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
     (rank 0 drives vLLM's HTTP routes), and every piece lands in the engine's own storage. Verified by the
     checksums the workers compute of what they hold against the sources'."""
     from reshard_cli.transfer import vllm_backend as vb
-    from reshard_cli.transfer.comm import free_port
+    from reshard_cli.base.ports import free_port
 
     url = plan.dst.engine_url
     source, src_shards, _ = _load(opts, plan, rank, device)
@@ -203,7 +204,7 @@ def _push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
 
 def _engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int) -> dict:
     """Rank 0's table for a push into a running engine, and its JSON twin."""
-    from reshard_cli.report import fmt_bytes, table
+    from reshard_cli.base.text import fmt_bytes, table
 
     timed = reports[1:] if len(reports) > 1 else reports
     seconds = statistics.median(r["seconds"] for r in timed)
@@ -323,12 +324,12 @@ def _verify(plan: Plan, rank: int, src_shards: dict, dst_shards: dict, source) -
     if exact:
         for t, sh in dst_shards.items():
             if sh.box.numel:
-                n = verify.count_differing(sh.data, synthetic_values(t, sh.box, man[t].shape, sh.data.dtype,
+                n = checksums.count_differing(sh.data, synthetic_values(t, sh.box, man[t].shape, sh.data.dtype,
                                                                      synthetic[1]))
                 if n:
                     wrong[t] = n
     mine = {"rank": rank, "mismatched": mismatched, "wrong": wrong,
-            "checksum": verify.combine(actual.values()), "tensors": len(actual),
+            "checksum": checksums.combine(actual.values()), "tensors": len(actual),
             "bytes": sum(sh.data.numel() * sh.data.element_size() for sh in dst_shards.values())}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine if rank in plan.dst.ranks else None)
@@ -350,7 +351,7 @@ def _write_output(out: Path, plan: Plan, rank: int, world: int, dst_shards: dict
             entry = {"index": idx, "rank": rank, "tensors": {
                 man[t].name: {"shape": list(man[t].shape), "offsets": list(sh.box.offsets),
                               "local_shape": list(sh.box.sizes), "dtype": man[t].dtype,
-                              "checksum": verify.fmt(result["dst_checksums"][t])}
+                              "checksum": checksums.fmt(result["dst_checksums"][t])}
                 for t, sh in dst_shards.items()}}
     entries: list = [None] * world
     dist.all_gather_object(entries, entry)
@@ -360,7 +361,7 @@ def _write_output(out: Path, plan: Plan, rank: int, world: int, dst_shards: dict
 
 def _report(opts, plan, stats, seconds, result, staging, link_gbps, world, device) -> dict:
     """Step 6 (rank 0): the nccl-tests-like table and its JSON twin."""
-    from reshard_cli.report import fmt_bytes, table
+    from reshard_cli.base.text import fmt_bytes, table
 
     man = plan.src.manifest.tensors
     path_of = plan.paths
@@ -395,7 +396,7 @@ def _report(opts, plan, stats, seconds, result, staging, link_gbps, world, devic
         "peak_staging_bytes": staging,
         "link_limit_gbps": link_gbps,
         "paths": paths,
-        "checksums": {str(e["rank"]): verify.fmt(e["checksum"]) for e in result["ranks"]},
+        "checksums": {str(e["rank"]): checksums.fmt(e["checksum"]) for e in result["ranks"]},
     }
     rows = [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),
              f"{v['seconds'] * 1e3:.1f}", f"{v['gbps']:.2f}", v["wrong"]] for p, v in paths.items()]
@@ -414,7 +415,7 @@ def _report(opts, plan, stats, seconds, result, staging, link_gbps, world, devic
         state = "ok" if not e["mismatched"] and not e["wrong"] else \
             f"WRONG ({len(e['mismatched'])} tensors differ, {sum(e['wrong'].values())} elements)"
         lines.append(f"    rank {e['rank']:>5}  {e['tensors']:>6} tensors  {fmt_bytes(e['bytes']):>10}  "
-                     f"checksum {verify.fmt(e['checksum'])}  {state}")
+                     f"checksum {checksums.fmt(e['checksum'])}  {state}")
     if not result["ok"]:
         bad = next(e for e in result["ranks"] if e["mismatched"] or e["wrong"])
         t = (bad["mismatched"] or list(bad["wrong"]))[0]

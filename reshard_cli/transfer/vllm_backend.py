@@ -672,7 +672,7 @@ def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
 def _layouts(src_text: str, dst_text: str, trainer_size: int = 0):
     """The two layouts from YAML text (src may be empty: read from DTensors at the first refit; the engine's
     ranks then start after the trainer's `trainer_size` unless its layout says otherwise)."""
-    from reshard_cli.spec.layout import load_layout, load_pair
+    from reshard_cli.layouts.layout import load_layout, load_pair
 
     with tempfile.TemporaryDirectory(prefix="reshard-vllm-") as tmp:
         paths = {}

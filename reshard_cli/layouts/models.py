@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.spec import bundled
-from reshard_cli.spec.yamlio import check_keys, line_of, load_yaml
+from reshard_cli.layouts import bundled
+from reshard_cli.layouts.yamlio import check_keys, line_of, load_yaml
 
 
 DTYPE_SIZES: dict[str, int] = {

@@ -1,6 +1,6 @@
-"""The position-aware checksum of `verify` (its docstring has the definition), computed fast and without torch.
+"""The position-aware checksum of `checksums` (its docstring has the definition), computed fast and without torch.
 
-`verify.checksum` is the reference, written in torch next to the transfers it proves. This module computes the
+`checksums.checksum` is the reference, written in torch next to the transfers it proves. This module computes the
 same value, bit for bit, on numpy arrays of the elements' raw bits (`bits_dtype`: a bf16 tensor is read as
 int16, a float32 one as int32, ...), which is all that `reshard check` needs: it maps files and compares raw
 words, so it starts without importing torch. Tests compare the two on every dtype.
@@ -17,7 +17,7 @@ import functools
 
 import numpy as np
 
-from reshard_cli.plan.geometry import Box
+from reshard_cli.base.geometry import Box
 
 _COLS = 1 << 16  # columns per exact float64 block
 _FAST_CHUNK = 1 << 18  # elements per float64 step (2 MiB, so the converted bits stay in cache)
@@ -35,7 +35,7 @@ def bits_dtype(itemsize: int) -> np.dtype:
 
 
 def mix(v: np.ndarray) -> np.ndarray:
-    """`verify._mix` (splitmix-style multiply/xor-shift) of int64 values, as uint64; the bits are the same."""
+    """`checksums._mix` (splitmix-style multiply/xor-shift) of int64 values, as uint64; the bits are the same."""
     with np.errstate(over="ignore"):
         h = (v.astype(np.uint64) + np.uint64(0x632BE59BD9B4E019)) * np.uint64(0x9E3779B97F4A7C15)
         h ^= h >> np.uint64(31)
@@ -74,7 +74,7 @@ def checksum_buffer() -> np.ndarray:
 
 
 class RowChecksum:
-    """The checksum of a region fed as chunks of its rows, bit for bit `verify.checksum`'s value.
+    """The checksum of a region fed as chunks of its rows, bit for bit `checksums.checksum`'s value.
 
     The region is seen as a matrix [rows, last dim] (a scalar as [1, 1]); `update(r0, rows)` takes rows
     [r0, r0 + n) as a 2-D array of the elements' bits (`bits_dtype(itemsize)`; strided rows are fine) and

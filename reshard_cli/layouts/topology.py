@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.spec import bundled
-from reshard_cli.spec.yamlio import check_keys, format_ranks, line_of, load_yaml, parse_ranks
+from reshard_cli.layouts import bundled
+from reshard_cli.layouts.yamlio import check_keys, format_ranks, line_of, load_yaml, parse_ranks
 
 LINK_KEYS = ("network_gbps", "nvlink_gbps", "latency_us")
 

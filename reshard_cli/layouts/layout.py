@@ -27,10 +27,10 @@ from reshard_cli.errors import ConfigError
 from reshard_cli.formats import FORMATS
 from reshard_cli.formats import megatron as megatron_format
 from reshard_cli.formats import vllm as vllm_format
-from reshard_cli.spec import bundled
-from reshard_cli.plan.geometry import Box, shard_box
-from reshard_cli.spec.models import Manifest, load_manifest
-from reshard_cli.spec.yamlio import check_keys, line_of, load_yaml, parse_ranks
+from reshard_cli.layouts import bundled
+from reshard_cli.base.geometry import Box, shard_box
+from reshard_cli.layouts.models import Manifest, load_manifest
+from reshard_cli.layouts.yamlio import check_keys, line_of, load_yaml, parse_ranks
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")

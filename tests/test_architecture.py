@@ -1,0 +1,293 @@
+"""The layers of ARCHITECTURE.md, enforced: imports run one way (down), no package or module imports itself
+back through others, and an import inside a function is there only to defer a heavy dependency.
+
+The contract is `LAYERS` below (bottom first). The checker reads the sources with `ast` (nothing is imported),
+so it also sees imports inside functions; it is tested on made-up graphs that break each rule.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "reshard_cli"
+
+# Bottom first. A module may import modules of its own layer or of layers below it, never above.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("reshard_cli.errors", "reshard_cli.base")),
+    ("layouts", ("reshard_cli.layouts",)),
+    ("formats", ("reshard_cli.formats",)),
+    ("plan", ("reshard_cli.plan",)),
+    ("hw", ("reshard_cli.hw",)),
+    ("io", ("reshard_cli.io",)),
+    ("transfer", ("reshard_cli.transfer",)),
+    ("engines", ("reshard_cli.vllm",)),
+    ("bench", ("reshard_cli.bench",)),
+    ("cli", ("reshard_cli.report", "reshard_cli.cli", "reshard_cli.__main__", "reshard_cli")),
+]
+
+# Third-party packages heavy enough to defer (import time, or optional extras): an import inside a function
+# is allowed when it brings one of these in, directly or through the reshard module it imports.
+HEAVY = ("torch", "vllm", "megatron", "mbridge", "transformers", "safetensors", "pynvml", "numpy", "matplotlib")
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    target: str  # the module imported (for `from pkg import name`, pkg.name when that is a module)
+    lazy: bool  # inside a function
+    line: int
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def read_imports(root: Path = ROOT) -> tuple[set[str], list[Import]]:
+    """Every module under `root` and every import in it (relative imports resolved)."""
+    modules = {module_name(p, root) for p in root.rglob("*.py")}
+    found: list[Import] = []
+    for path in sorted(root.rglob("*.py")):
+        mod = module_name(path, root)
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        lazy_nodes = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                # `from pkg import mod` imports pkg.mod when that is a module of ours
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for t in dict.fromkeys(targets):
+                found.append(Import(mod, t, id(node) in lazy_nodes, node.lineno))
+    return modules, found
+
+
+def layer_of(module: str, layers=LAYERS) -> int | None:
+    best, best_len = None, -1
+    for i, (_name, prefixes) in enumerate(layers):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
+                best, best_len = i, len(p)
+    return best
+
+
+def upward(imports: list[Import], layers=LAYERS) -> list[str]:
+    out = []
+    for im in imports:
+        a, b = layer_of(im.module, layers), layer_of(im.target, layers)
+        if b is not None and a is not None and b > a:
+            out.append(f"{im.module}:{im.line} ({layers[a][0]}) imports {im.target} ({layers[b][0]}), a layer above")
+    return out
+
+
+def unplaced(modules: set[str], layers=LAYERS) -> list[str]:
+    return sorted(m for m in modules if layer_of(m, layers) is None)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges.get(start, ()))))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on.add(start)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(edges.get(nxt, ())))))
+                elif nxt in on:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def module_cycles(modules: set[str], imports: list[Import]) -> list[list[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for im in imports:
+        if im.target in modules and im.target != im.module and not im.module.startswith(im.target + "."):
+            edges[im.module].add(im.target)
+    return cycles(edges)
+
+
+def package_cycles(modules: set[str], imports: list[Import]) -> list[list[str]]:
+    """Cycles between packages (reshard_cli.layouts -> reshard_cli.formats -> reshard_cli.layouts)."""
+    def pkg(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    edges: dict[str, set[str]] = {}
+    for im in imports:
+        if im.target in modules:
+            a, b = pkg(im.module), pkg(im.target)
+            if a != b and a != "reshard_cli" and b != "reshard_cli":
+                edges.setdefault(a, set()).add(b)
+    return cycles(edges)
+
+
+def heavy_modules(modules: set[str], imports: list[Import]) -> set[str]:
+    """Our modules that bring in a heavy third-party package at import time (directly or through ours)."""
+    top: dict[str, set[str]] = {m: set() for m in modules}
+    heavy = set()
+    for im in imports:
+        if im.lazy:
+            continue
+        if im.target.split(".")[0] in HEAVY:
+            heavy.add(im.module)
+        elif im.target in modules:
+            top[im.module].add(im.target)
+    changed = True
+    while changed:
+        changed = False
+        for m, deps in top.items():
+            if m not in heavy and deps & heavy:
+                heavy.add(m)
+                changed = True
+    return heavy
+
+
+def needless_lazy(modules: set[str], imports: list[Import]) -> list[str]:
+    heavy = heavy_modules(modules, imports)
+    return [f"{im.module}:{im.line} imports {im.target} inside a function, but it brings in no heavy dependency"
+            for im in imports if im.lazy and im.target in modules and im.target not in heavy]
+
+
+# ---------------------------------------------------------------------------------------------------- the tree
+
+
+def test_every_module_has_a_layer():
+    modules, _ = read_imports()
+    assert unplaced(modules) == []
+
+
+def test_imports_run_down_the_layers():
+    _, imports = read_imports()
+    assert upward(imports) == []
+
+
+def test_no_import_cycles():
+    modules, imports = read_imports()
+    assert module_cycles(modules, imports) == []
+    assert package_cycles(modules, imports) == []
+
+
+def test_imports_inside_functions_only_defer_heavy_dependencies():
+    modules, imports = read_imports()
+    assert needless_lazy(modules, imports) == []
+
+
+def test_planning_stays_torch_free():
+    modules, imports = read_imports()
+    heavy = heavy_modules(modules, imports)
+    for m in ("reshard_cli.layouts.layout", "reshard_cli.plan.planner", "reshard_cli.plan.cost",
+              "reshard_cli.plan.schedule", "reshard_cli.formats", "reshard_cli.cli"):
+        assert m not in heavy, m
+
+
+# ------------------------------------------------------------------------------- the checker on broken trees
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "reshard_cli"
+    for name, text in {"__init__.py": "", **files}.items():
+        p = root / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+LOW_HIGH = [("low", ("reshard_cli.low",)), ("high", ("reshard_cli.high",))]
+
+
+def test_checker_finds_an_upward_import(tmp_path):
+    root = _tree(tmp_path, {"low/__init__.py": "", "low/a.py": "from reshard_cli.high import b\n",
+                            "high/__init__.py": "", "high/b.py": "x = 1\n"})
+    modules, imports = read_imports(root)
+    assert upward(imports, LOW_HIGH) == ["reshard_cli.low.a:1 (low) imports reshard_cli.high.b (high), "
+                                         "a layer above"]
+
+
+def test_checker_finds_an_upward_import_inside_a_function(tmp_path):
+    root = _tree(tmp_path, {"low/__init__.py": "", "low/a.py": "def f():\n    from ..high.b import x\n",
+                            "high/__init__.py": "", "high/b.py": "x = 1\n"})
+    _, imports = read_imports(root)
+    assert len(upward(imports, LOW_HIGH)) == 1
+
+
+def test_checker_finds_cycles(tmp_path):
+    root = _tree(tmp_path, {"low/__init__.py": "", "low/a.py": "from reshard_cli.low import b\n",
+                            "low/b.py": "def f():\n    from reshard_cli.low import c\n",
+                            "low/c.py": "import reshard_cli.low.a\n",
+                            "high/__init__.py": "from reshard_cli.low import a\n", "high/d.py": ""})
+    modules, imports = read_imports(root)
+    assert module_cycles(modules, imports) == [["reshard_cli.low.a", "reshard_cli.low.b", "reshard_cli.low.c"]]
+    assert package_cycles(modules, imports) == []
+    root2 = _tree(tmp_path / "two", {"low/__init__.py": "", "low/a.py": "from reshard_cli.high import d\n",
+                                     "high/__init__.py": "", "high/d.py": "x = 1\n",
+                                     "high/e.py": "from reshard_cli.low import a\n"})
+    modules, imports = read_imports(root2)
+    assert module_cycles(modules, imports) == []
+    assert package_cycles(modules, imports) == [["reshard_cli.high", "reshard_cli.low"]]
+
+
+def test_checker_finds_a_needless_lazy_import(tmp_path):
+    root = _tree(tmp_path, {"low/__init__.py": "", "low/light.py": "x = 1\n", "low/heavy.py": "import torch\n",
+                            "high/__init__.py": "",
+                            "high/b.py": "def f():\n    from reshard_cli.low import light, heavy\n"})
+    modules, imports = read_imports(root)
+    assert needless_lazy(modules, imports) == ["reshard_cli.high.b:2 imports reshard_cli.low.light inside a "
+                                               "function, but it brings in no heavy dependency"]
+
+
+def test_checker_places_every_module(tmp_path):
+    root = _tree(tmp_path, {"low/__init__.py": "", "stray.py": ""})
+    modules, _ = read_imports(root)
+    assert unplaced(modules, LOW_HIGH) == ["reshard_cli", "reshard_cli.stray"]
+
+
+if __name__ == "__main__":  # print the current violations, one per line
+    mods, ims = read_imports()
+    for line in unplaced(mods) + upward(ims) + needless_lazy(mods, ims):
+        print(line)
+    for c in module_cycles(mods, ims) + package_cycles(mods, ims):
+        print("cycle:", " <-> ".join(c))
+

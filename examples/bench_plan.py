@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from reshard_cli.layouts import models  # noqa: E402
-from reshard_cli.layouts.layout import load_pair  # noqa: E402
+from reshard_cli.formats import load_pair  # noqa: E402
 from reshard_cli.plan.planner import Plan  # noqa: E402
 from reshard_cli.base.text import table  # noqa: E402
 from reshard_cli.layouts.topology import NO_TOPOLOGY, load_topology  # noqa: E402

@@ -216,7 +216,7 @@ def trainer(rank: int, case: dict, paths: dict) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from reshard_cli.layouts.layout import layout_from_doc
+    from reshard_cli.formats import layout_from_doc
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
 
@@ -244,7 +244,7 @@ def trainer(rank: int, case: dict, paths: dict) -> None:
 
 def receiver(index: int, case: dict, paths: dict) -> None:
     from reshard_cli.io.sources import SafetensorsSource
-    from reshard_cli.layouts.layout import layout_from_doc, load_layout
+    from reshard_cli.formats import layout_from_doc, load_layout
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
     from reshard_cli.transfer.shards import sentinel_buffers
@@ -286,7 +286,7 @@ def trainer_engine(model, doc: dict, rank: int, paths: dict, client):
     import yaml
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from reshard_cli.transfer import vllm_backend as vb
+    from reshard_cli.engines.vllm import backend as vb
 
     vb.register()
     info = vb.ReshardTrainerInitInfo(
@@ -309,7 +309,7 @@ def run_vllm_case(name: str, root: str, vllm_tp: int) -> dict:
     import vllm_refit as vr
 
     from reshard_cli.base.ports import free_port
-    from reshard_cli.transfer.vllm_backend import LLMClient
+    from reshard_cli.engines.vllm.backend import LLMClient
 
     case = CASES[name]
     base = os.path.join(root, f"{name}-vllm-tp{vllm_tp}")

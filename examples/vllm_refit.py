@@ -147,7 +147,7 @@ def src_layout(model_dir: str) -> str:
 def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path: str):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from reshard_cli.transfer import vllm_backend as vb
+    from reshard_cli.engines.vllm import backend as vb
 
     vb.register()
     info = vb.ReshardTrainerInitInfo(
@@ -229,7 +229,7 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> 
     import torch.multiprocessing as mp
 
     from reshard_cli.base.ports import free_port
-    from reshard_cli.transfer.vllm_backend import LLMClient
+    from reshard_cli.engines.vllm.backend import LLMClient
 
     model_dir = make_model(kind, root)
     ports = {"trainer": free_port(), "reshard": free_port(), "full": free_port()}

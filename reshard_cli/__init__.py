@@ -20,8 +20,8 @@ fast and torch-free.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_pair": "reshard_cli.layouts.layout",
-    "load_layout": "reshard_cli.layouts.layout",
+    "load_pair": "reshard_cli.formats",
+    "load_layout": "reshard_cli.formats",
     "load_topology": "reshard_cli.layouts.topology",
     "Plan": "reshard_cli.plan.planner",
     "TransferOptions": "reshard_cli.plan.schedule",

@@ -95,11 +95,12 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
         return
     stats = p.stats()
     stats["layout_seconds"] = t_layout
-    from reshard_cli.formats import engine_summary
-    if p.src.format != "hf":  # the bytes are read from the trainer's own tensors
-        stats["trainer"] = engine_summary(p.src)
-    if p.dst.format != "hf":  # the bytes land in the engine's own tensors: what one rank's storage looks like
-        stats["engine"] = engine_summary(p.dst)
+    from reshard_cli import formats
+    trainer, engine = formats.summary(p.src), formats.summary(p.dst)
+    if trainer is not None:  # the bytes are read from the trainer's own tensors
+        stats["trainer"] = trainer
+    if engine is not None:  # the bytes land in the engine's own tensors: what one rank's storage looks like
+        stats["engine"] = engine
     typer.echo(plan_text(stats))
     from reshard_cli.plan.cost import plan_prediction  # predicted seconds per mode + lower bound (topology links)
 
@@ -174,7 +175,9 @@ def run(
     if not under_torchrun():
         run_mod.launch_run(opts)
         return
-    doc = run_mod.worker(opts)
+    from reshard_cli.engines.vllm.push import push  # torch: only once a worker runs
+
+    doc = run_mod.worker(opts, push=push)
     if doc is None:  # not rank 0
         return
     typer.echo(doc.pop("_text"))
@@ -202,7 +205,7 @@ def check(
     from reshard_cli.errors import RuntimeFailure
     from reshard_cli.io.check import check_output
     from reshard_cli.base.text import write_json_option
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
 
     src_l, dst_l = load_pair(src, dst, scale=scale)
     result = check_output(src_l, dst_l, out, source)

@@ -10,7 +10,7 @@ from dist_util import run_ranks
 
 def _live(rank, world, src_path, dst_path):
     from reshard_cli.transfer.live import Refit
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
 
     src, dst = load_pair(src_path, dst_path)
     man = src.manifest.tensors
@@ -63,7 +63,7 @@ def test_live_refit_example():
 def _own_group(rank, world, src_path, dst_path, port):
     """The refit runs over its own group, numbered backwards from the default one: a message sent on the
     default group would reach the wrong process, so exact results prove only the refit group carried them."""
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
 

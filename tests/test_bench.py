@@ -127,7 +127,7 @@ def test_cpu_suite_fits_six_processes(tmp_path):
     assert len(suite.cases) >= 2 and suite.sweep_case in [c.name for c in suite.cases] and suite.sizes
     assert bench_suite.world_needed(suite) <= 6
     from reshard_cli.layouts import bundled
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
 
     scaled = [c for c in suite.cases if c.scale == 16]
     assert scaled and all("demo/train" in (c.src, c.dst) for c in scaled)  # bundled names, kept as written

@@ -5,7 +5,8 @@ import pytest
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import vllm
 from reshard_cli.base.geometry import chunk_range
-from reshard_cli.layouts.layout import expert_owner, load_layout
+from reshard_cli.layouts.layout import expert_owner
+from reshard_cli.formats import load_layout
 
 
 def layout(tmp_path, body, name="infer.yaml"):
@@ -119,7 +120,7 @@ def test_bind_names_the_first_mismatch(tmp_path):
 
 def test_a_running_engine_is_not_started_by_reshard_run(tmp_path):
     """`engine: {url}`: the layout keeps the URL, and a run starts the source ranks only."""
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
     from reshard_cli.transfer.dryrun import world_size
 
     (tmp_path / "train.yaml").write_text("model: qwen3-0.6b\nmesh: {fsdp: 4}\n"

@@ -2,7 +2,7 @@
 import pytest
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.transfer.vllm_backend import handshake
+from reshard_cli.engines.vllm.backend import handshake
 
 
 class Peer:

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 from reshard_cli.transfer import dryrun as launch
 from reshard_cli.errors import ConfigError
-from reshard_cli.layouts.layout import load_pair
+from reshard_cli.formats import load_pair
 from reshard_cli.layouts.topology import load_topology
 
 TRAIN = "layouts/demo/train.yaml"

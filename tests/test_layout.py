@@ -9,7 +9,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from conftest import ROOT, SMALL_MODEL
 from reshard_cli.errors import ConfigError
-from reshard_cli.layouts.layout import load_layout, load_pair
+from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.topology import load_topology
 
 

@@ -19,7 +19,7 @@ import torch
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import megatron as fmt
 from reshard_cli.base.geometry import Box
-from reshard_cli.layouts.layout import layout_from_doc, load_layout
+from reshard_cli.formats import layout_from_doc, load_layout
 from reshard_cli.base.fragments import Fragments
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,7 +215,7 @@ def test_vocab_padding_and_pipeline_split_follow_megatron(tmp_path):
 
 def test_bundled_megatron_layouts_plan_the_minimum_wire_bytes():
     from reshard_cli.plan.planner import Plan
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
     from reshard_cli.layouts.topology import load_topology
 
     for src, dst in [("qwen3-30b-a3b/megatron-tp2-ep4-pp2", "qwen3-30b-a3b/vllm-tp4-dp4"),

@@ -16,7 +16,7 @@ from conftest import PAIRS, SMALL_MODEL, write_pair
 from reshard_cli.io import sinks
 from reshard_cli.errors import ConfigError, RuntimeFailure
 from reshard_cli.base.geometry import Box
-from reshard_cli.layouts.layout import load_layout, load_pair
+from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.io.sources import (DcpSource, SafetensorsSource, ShardsSource, SyntheticSource, open_source,
                                  synthetic_values)
 from reshard_cli.base.checksums import checksum, fmt

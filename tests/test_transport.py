@@ -35,7 +35,7 @@ def local_shards(src, dst, rank: int, ref) -> tuple[dict, dict]:
 
 
 def _refit(rank, world, src_path, dst_path, modes, topologies, bucket_bytes, direct_min_bytes=1 << 20):
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
     from reshard_cli.plan.planner import Plan
     from reshard_cli.layouts.topology import Topology
     from reshard_cli.plan.schedule import TransferOptions

@@ -50,7 +50,7 @@ def _compare(rank, world, model_dir, layout_yaml, tp, pp, ep, placement):
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from reshard_cli.formats import vllm as fmt
-    from reshard_cli.layouts.layout import load_layout
+    from reshard_cli.formats import load_layout
 
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
     pc = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=ep,

@@ -88,7 +88,7 @@ def _trainer(rank, ports, model_dir, dst_yaml):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from reshard_cli.layouts.layout import load_layout
+    from reshard_cli.formats import load_layout
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
 
@@ -109,7 +109,7 @@ def _trainer(rank, ports, model_dir, dst_yaml):
 
 def _engine(rank, ports, model_dir, dst_yaml):
     from reshard_cli.formats import vllm as fmt
-    from reshard_cli.layouts.layout import load_layout
+    from reshard_cli.formats import load_layout
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
 
@@ -210,8 +210,8 @@ def _trainer_engine(rank, ports, model_dir, src_yaml, dst_yaml):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.plugins import load_general_plugins
 
-    from reshard_cli.layouts.layout import load_layout
-    from reshard_cli.transfer import vllm_backend as vb
+    from reshard_cli.formats import load_layout
+    from reshard_cli.engines.vllm import backend as vb
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -284,7 +284,7 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.plugins import load_general_plugins
 
-    from reshard_cli.layouts.layout import load_layout
+    from reshard_cli.formats import load_layout
 
     with _vllm_tp2(rank, ports, model_dir) as (vc, model):
         man = load_layout(dst_yaml).manifest

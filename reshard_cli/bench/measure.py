@@ -84,7 +84,7 @@ def run_case(case: Case, opts: BenchOptions, rank: int, device: torch.device,
     from reshard_cli.io.sources import SyntheticSource
     from reshard_cli.plan.planner import Plan
     from reshard_cli.plan.schedule import TransferOptions
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
     from reshard_cli.layouts.topology import NO_TOPOLOGY, load_topology
     from reshard_cli.transfer.engine import Engine
     from reshard_cli.transfer.linktest import LinkTest

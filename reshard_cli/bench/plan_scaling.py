@@ -38,7 +38,7 @@ def plan_scaling(say: Callable[[str], None] | None = None) -> list[dict]:
 
 def _time_plan(name: str, src: Path | str, dst: Path | str, mode: str = "reshard") -> dict:
     from reshard_cli.layouts import models
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
     from reshard_cli.plan.planner import Plan, no_gc
 
     models._CACHE.clear()  # cold, as a fresh `reshard plan`

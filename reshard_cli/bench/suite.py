@@ -191,7 +191,7 @@ def sweep_cases(suite: Suite) -> list[Case]:
 
 def world_needed(suite: Suite) -> int:
     """Load every pair (validating it) and return the world size the job needs."""
-    from reshard_cli.layouts.layout import load_pair
+    from reshard_cli.formats import load_pair
     from reshard_cli.layouts.topology import load_topology
 
     world = 0

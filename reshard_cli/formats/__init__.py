@@ -1,64 +1,82 @@
-"""Engine and trainer storage formats: how a framework keeps a checkpoint's tensors.
+"""Engine and trainer storage formats, behind one interface (`base.Format`), and layouts loaded through them.
 
-A layout's `format:` (default `hf`: the checkpoint's own names and shapes) names one of these. A format maps
-the framework's real storage to views of checkpoint tensors, so plans stay in checkpoint space while the
-bytes land straight in the framework's own tensors.
+A layout's `format:` (default `hf`: the checkpoint's own names and shapes) names one format of `FORMATS`. A
+format maps the framework's real storage to views of checkpoint tensors, so plans stay in checkpoint space
+while the bytes land straight in the framework's own tensors. Adding a format is its own module and one line
+in `FORMATS`; every other package asks `get(layout.format)`.
+
+`load_layout`, `load_pair` and `layout_from_doc` are how every command and API reads a layout: the format
+expands its document, then `layouts.layout` builds the placements.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from reshard_cli.errors import ConfigError
+from reshard_cli.formats import hf, megatron, vllm
+from reshard_cli.formats.base import Format
+from reshard_cli.layouts import bundled
+from reshard_cli.layouts import layout as _layout
+from reshard_cli.layouts.yamlio import line_of, load_yaml
 
-FORMATS = ("hf", "vllm", "megatron")
-
-
-def doc_line(mapping, key):
-    """The line of `key` in a loaded YAML mapping (None for a document built in code)."""
-    lines = getattr(mapping, "lines", None)
-    return lines.get(key) if lines else getattr(mapping, "line", None)
-
-
-def format_mesh(doc: dict, fmt: str, dims: tuple, derived: tuple, options: str, file: str) -> list[str]:
-    """A format layout's common checks: no key the format derives, and `mesh:` with dims among `dims` in
-    that order (slowest first). Returns the mesh's dims."""
-    for key in derived:
-        if key in doc:
-            raise ConfigError(f"`{key}:` is derived by `format: {fmt}` from the mesh and `{options}:`; remove it",
-                              file=file, key=key, line=doc_line(doc, key))
-    mesh = doc.get("mesh")
-    order = ", ".join(dims)
-    if not isinstance(mesh, dict) or not mesh:
-        raise ConfigError(f"`format: {fmt}` needs `mesh:` with dims among {order} (tp fastest)", file=file,
-                          key="mesh", line=doc_line(doc, "mesh"))
-    got = [str(d) for d in mesh]
-    if any(d not in dims for d in got) or got != sorted(got, key=dims.index):
-        raise ConfigError(f"the {fmt} mesh dims are {order} in that order (tp fastest), got {got}", file=file,
-                          key="mesh", line=doc_line(doc, "mesh"))
-    return got
+FORMATS: dict[str, Format] = {f.name: f for f in (hf.FORMAT, vllm.FORMAT, megatron.FORMAT)}
+_OWNED = {key: f for f in FORMATS.values() for key in f.keys}  # top-level layout keys a format owns
 
 
-def format_options(doc: dict, key: str, allowed: tuple, file: str) -> dict:
-    """A format's own mapping (`engine:`, `megatron:`), its keys checked."""
-    opts = doc.get(key) or {}
-    if not isinstance(opts, dict):
-        raise ConfigError("expected a mapping", file=file, key=key, line=doc_line(doc, key))
-    for k in opts:
-        if k not in allowed:
-            raise ConfigError(f"unknown key (allowed: {', '.join(allowed)})", file=file, key=f"{key}.{k}",
-                              line=doc_line(opts, k))
-    return opts
+def get(name: str, *, file: str | None = None, line: int | None = None) -> Format:
+    """The format called `name`; an unknown one is a ConfigError naming the layout's `format:` key."""
+    fmt = FORMATS.get(name) if isinstance(name, str) else None
+    if fmt is None:
+        raise ConfigError(f"unknown format {name!r} (formats: {', '.join(FORMATS)})", file=file, key="format",
+                          line=line)
+    return fmt
 
 
-def storage_summary(layout, tensors: list, rank: int) -> dict:
-    """Bytes of a rank's framework tensors (`formats.storage.EngineTensor`s) and of the checkpoint boxes their
-    views cover."""
-    filled = sum(v.box.numel * layout.manifest.tensors[v.tensor].itemsize for et in tensors for v in et.views)
-    total = sum(et.nbytes for et in tensors)
-    return {"format": layout.format, "rank": rank, "direct_bytes": filled, "padding_bytes": total - filled,
-            "total_bytes": total}
+def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1) -> _layout.Layout:
+    """A layout from its document (a loaded YAML file, or one a helper wrote, e.g. from a live Megatron model),
+    expanded by its format; `file` names it in errors and relative paths resolve against its directory."""
+    name = doc.get("format", "hf") if isinstance(doc, dict) else "hf"
+    fmt = get(name, file=file, line=line_of(doc, "format") if isinstance(doc, dict) else None)
+    if isinstance(doc, dict):
+        for key, owner in _OWNED.items():
+            if key in doc and owner is not fmt:
+                raise ConfigError(f"`{key}:` {owner.keys[key]}; it needs `format: {owner.name}` (this layout has "
+                                  f"format: {fmt.name})", file=file, key=key, line=line_of(doc, key))
+    url = fmt.engine_url(doc, file) if fmt.engine_url else None
+    return _layout.layout_from_doc(doc, file=file, first_rank=first_rank, scale=scale, format=fmt.name,
+                                   expand=fmt.expand, engine_url=url, format_keys=tuple(_OWNED))
 
 
-def engine_summary(layout) -> dict:
-    """A framework's storage on one rank of `layout` (see the format's `summary`)."""
-    from reshard_cli.formats import megatron, vllm
+def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> _layout.Layout:
+    """Load and validate a layout YAML (a path, or a bundled name). `first_rank` is where `ranks` starts when
+    the file omits it."""
+    path = bundled.resolve("layout", path)
+    return layout_from_doc(load_yaml(path), file=str(path), first_rank=first_rank, scale=scale)
 
-    return {"vllm": vllm.summary, "megatron": megatron.summary}[layout.format](layout)
+
+def load_pair(src_path: str | Path, dst_path: str | Path, *, scale: int = 1) -> tuple[_layout.Layout, _layout.Layout]:
+    """Source and destination layouts: the destination's ranks follow the source's unless given; both must
+    describe the same model."""
+    src = load_layout(src_path, scale=scale)
+    dst = load_layout(dst_path, first_rank=max(src.ranks) + 1, scale=scale)
+    return _layout.check_pair(src, dst)
+
+
+def live_layout(fmt: str, model, checkpoint, *, rank: int | None = None, file: str | None = None) -> _layout.Layout:
+    """The layout of a running model of framework `fmt` (what `Refit(src=...)` takes), derived from the
+    framework itself where the format can (`megatron`: parallel_state)."""
+    f = get(fmt)
+    if f.live_layout_doc is None:
+        raise ConfigError(f"`format: {f.name}` cannot derive a layout from a running model; write the layout",
+                          key="format")
+    file = file or f"<{f.name} model>"
+    return layout_from_doc(f.live_layout_doc(model, checkpoint, rank=rank, file=file), file=file)
+
+
+def summary(layout) -> dict | None:
+    """A framework's storage on the first rank of `layout` (the format's `summary`), None for `hf`."""
+    fmt = get(layout.format)
+    return fmt.summary(layout) if fmt.summary else None
+
+
+__all__ = ["FORMATS", "Format", "get", "layout_from_doc", "load_layout", "load_pair", "live_layout", "summary"]

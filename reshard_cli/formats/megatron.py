@@ -39,10 +39,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from reshard_cli.base.geometry import Box, chunk_size
 from reshard_cli.errors import ConfigError
-from reshard_cli.formats import doc_line, format_mesh, format_options, storage_summary
+from reshard_cli.formats.base import Format, doc_line, format_mesh, format_options, storage_summary
 from reshard_cli.formats.storage import EngineTensor, View
-from reshard_cli.base.geometry import Box
+from reshard_cli.layouts.layout import layout_from_doc
 
 DIMS = ("pp", "dp", "cp", "tp")  # dense grid, slowest first (Megatron's default order tp-cp-ep-dp-pp)
 MEGATRON_KEYS = ("expert_model_parallel_size", "expert_tensor_parallel_size", "make_vocab_size_divisible_by",
@@ -52,7 +53,7 @@ DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by defa
 
 _EXPERT = r"mlp\.experts\.\d+\."
 _KV_NAMES = r"self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$"
-_VOCAB = r"embed_tokens\.weight$|lm_head\.weight$"
+VOCAB = r"embed_tokens\.weight$|lm_head\.weight$"  # tensors whose rows Megatron pads
 
 
 _line = doc_line
@@ -139,7 +140,7 @@ def expand(doc: dict, manifest, file: str) -> dict:
         rules += [{"match": _EXPERT + r"(gate|up)_proj\.weight$", "mesh": "expert", "shard": etp_shard(0)},
                   {"match": _EXPERT + r"down_proj\.weight$", "mesh": "expert", "shard": etp_shard(1)}]
     column = (r"(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
-    rules += [{"match": _VOCAB, "mesh": "dense", "shard": tp_shard(0), "pad": vocab_pad},
+    rules += [{"match": VOCAB, "mesh": "dense", "shard": tp_shard(0), "pad": vocab_pad},
               {"match": column, "mesh": "dense", "shard": tp_shard(0)},
               {"match": r"(o_proj|down_proj)\.weight$", "mesh": "dense", "shard": tp_shard(1)},
               {"match": ".", "mesh": "dense"}]
@@ -322,9 +323,8 @@ def _fused_views(kind: str | None, members: list, arch: Arch) -> tuple[tuple, li
 def _vocab_rows(layout, t: int) -> int | None:
     """Rows of one rank's padded vocab part (None if tensor `t` is not a padded vocab tensor)."""
     p = layout.placements[t]
-    if p.pad <= 1 or not re.search(_VOCAB, layout.manifest.tensors[t].name):
+    if p.pad <= 1 or not re.search(VOCAB, layout.manifest.tensors[t].name):
         return None
-    from reshard_cli.base.geometry import chunk_size
     parts = 1
     for s, size in zip(p.shard, p.mesh.shape):
         if s == 0:
@@ -558,13 +558,6 @@ def summary(layout, rank: int | None = None) -> dict:
 # ------------------------------------------------------------------------------------------ a running model
 
 
-def live_layout(model, hf_model, *, rank: int | None = None, file: str = "<megatron model>"):
-    """`live_layout_doc`, loaded: the Layout to pass as `Refit(src=...)`."""
-    from reshard_cli.layouts.layout import layout_from_doc
-
-    return layout_from_doc(live_layout_doc(model, hf_model, rank=rank, file=file), file=file)
-
-
 def live_layout_doc(model, hf_model, *, rank: int | None = None, file: str = "<megatron model>") -> dict:
     """The source layout document (YAML-ready) of a running Megatron-core model, read from
     `megatron.core.parallel_state` and the model itself (layers per stage, padded vocabulary); `hf_model` is
@@ -576,8 +569,6 @@ def live_layout_doc(model, hf_model, *, rank: int | None = None, file: str = "<m
     `Refit`) then checks every parameter against the layout, so a mismatch fails before any byte moves."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from reshard_cli.layouts.layout import layout_from_doc
 
     hf_model = Path(hf_model).resolve() if Path(hf_model).exists() else hf_model  # any process can read it
     chunks = model if isinstance(model, (list, tuple)) else [model]
@@ -616,7 +607,7 @@ def live_layout_doc(model, hf_model, *, rank: int | None = None, file: str = "<m
         megatron["expert_tensor_parallel_size"] = mine["etp"]
     if sizes["pp"] == 1:
         del megatron["pipeline_layers"]
-    layout = layout_from_doc(doc, file=file)
+    layout = layout_from_doc(doc, file=file, format="megatron", expand=expand, format_keys=tuple(FORMAT.keys))
     for e in everyone:  # the derived meshes must put every rank where parallel_state does
         for mesh_name, got in (("dense", e["dense"]), ("expert", e["expert"])):
             mesh = layout.meshes.get(mesh_name)
@@ -629,3 +620,8 @@ def live_layout_doc(model, hf_model, *, rank: int | None = None, file: str = "<m
                 raise ConfigError(f"rank {e['rank']}: parallel_state puts it at {mesh_name} {have}, the default "
                                   f"Megatron rank order (tp-cp-ep-dp-pp) at {want}", key="parallel_state")
     return doc
+
+
+FORMAT = Format(name="megatron", description="Megatron-core's parameters, placed by its own parallel arguments",
+                keys={"megatron": "holds Megatron's parallel arguments"}, expand=expand, storage=storage, bind=bind, summary=summary,
+                live_layout_doc=live_layout_doc)

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import re
 
+from reshard_cli.base.geometry import chunk_size
 from reshard_cli.errors import ConfigError
+from reshard_cli.formats.base import Format, doc_line, format_mesh, format_options, storage_summary
 from reshard_cli.formats.storage import EngineTensor, View  # noqa: F401 - re-exported
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
@@ -58,8 +60,6 @@ def vllm_pp_layers(num_layers: int, pp: int) -> list[int]:
 
 def expand(doc: dict, manifest, file: str) -> dict:
     """The layout document with vLLM's meshes, pipeline split, expert owners and placement rules filled in."""
-    from reshard_cli.formats import format_mesh, format_options
-
     dims = format_mesh(doc, "vllm", DIMS, ("meshes", "placements", "pipeline", "experts"), "engine", file)
     mesh = doc["mesh"]
     engine = format_options(doc, "engine", ENGINE_KEYS, file)
@@ -148,9 +148,7 @@ def effective_placement(requested: str, config: dict) -> str:
     return "balanced"
 
 
-def _line(mapping, key):
-    from reshard_cli.formats import doc_line
-    return doc_line(mapping, key)
+_line = doc_line
 
 
 # ------------------------------------------------------------------------------------------- engine storage
@@ -235,7 +233,6 @@ def storage(layout, rank: int) -> list[EngineTensor]:
 
 def _padded_part(n: int, placement) -> int:
     """Rows of one TP rank's part of a vocab of `n` rows padded as vLLM pads it (one mesh dim shards it)."""
-    from reshard_cli.base.geometry import chunk_size
 
     parts = 1
     for s, size in zip(placement.shard, placement.mesh.shape):
@@ -248,8 +245,6 @@ def summary(layout, rank: int | None = None) -> dict:
     """What one destination rank's engine storage holds (the group's first rank unless given): engine tensors,
     their bytes, the checkpoint bytes that land in them through views, and how many tensors are fused or
     stacked. Every checkpoint byte a rank holds has a view, so all of it is written in place."""
-    from reshard_cli.formats import storage_summary
-
     rank = layout.ranks[0] if rank is None else rank
     tensors = storage(layout, rank)
     s = storage_summary(layout, tensors, rank)
@@ -259,7 +254,7 @@ def summary(layout, rank: int | None = None) -> dict:
             "fused_tensors": sum(len(et.views) > 1 for et in tensors)}
 
 
-def bind(params: dict, layout, rank: int) -> dict:
+def bind(params: dict, layout, rank: int, casts: list | None = None) -> dict:
     """This rank's destination buffers as views into a live vLLM model's parameters (`named_parameters()`),
     keyed by checkpoint tensor name, ready for `Refit` (which writes into them in place). Every engine tensor
     the layout expects must exist with its shape and dtype; otherwise one ConfigError names the first mismatch
@@ -286,3 +281,7 @@ def bind(params: dict, layout, rank: int) -> dict:
                 raise ConfigError(f"rank {rank}: {et.name}{list(v.region)} is not contiguous", key="dst")
             out[names[v.tensor]] = view
     return out
+
+
+FORMAT = Format(name="vllm", description="a vLLM engine's fused and stacked tensors, placed as vLLM shards them",
+                keys={"engine": "describes a vLLM deployment (expert parallelism, a running server)"}, expand=expand, engine_url=engine_url, storage=storage, bind=bind, summary=summary)

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.base.geometry import Box
+from reshard_cli.formats import megatron
 from reshard_cli.layouts.layout import Layout
 from reshard_cli.layouts.models import _SAFETENSORS_DTYPES, Manifest, read_safetensors_header, read_safetensors_index
+from reshard_cli.layouts.yamlio import check_keys, line_of
 
 if TYPE_CHECKING:  # torch is imported where a source or sink needs it: `reshard check` starts without it
     import numpy as np
@@ -593,7 +595,6 @@ class MegatronDistSource(DcpSource):
     def __init__(self, manifest: Manifest, path: Path, shown: str | None = None):
         import json
 
-        from reshard_cli.formats import megatron
         super().__init__(manifest, path, shown)
         meta = self.path / "metadata.json"
         try:
@@ -610,8 +611,7 @@ class MegatronDistSource(DcpSource):
 
     def check(self, layout: Layout, rank: int) -> None:
         import torch
-        from reshard_cli.formats import megatron
-        vocab = re.compile(megatron._VOCAB)
+        vocab = re.compile(megatron.VOCAB)
         for t, _box in layout.held(rank):
             spec = layout.manifest.tensors[t]
             for cv in self.views.get(t, ()):
@@ -739,7 +739,6 @@ def open_source(spec: Any, layout: Layout, *, base_dir: Path | None = None) -> S
     if not isinstance(spec, dict):
         raise ConfigError(f"expected a mapping like {{kind: safetensors, path: ckpt/}} or a string, got "
                           f"{type(spec).__name__}", file=file, key="source", line=getattr(spec, "line", None))
-    from reshard_cli.layouts.yamlio import check_keys, line_of
     kind = spec.get("kind")
     if kind not in KINDS:
         raise ConfigError(f"unknown source kind {kind!r} (kinds: {', '.join(KINDS)})", file=file,

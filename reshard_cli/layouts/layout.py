@@ -21,22 +21,18 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import product
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from reshard_cli.errors import ConfigError
-from reshard_cli.formats import FORMATS
-from reshard_cli.formats import megatron as megatron_format
-from reshard_cli.formats import vllm as vllm_format
-from reshard_cli.layouts import bundled
 from reshard_cli.base.geometry import Box, shard_box
+from reshard_cli.errors import ConfigError
 from reshard_cli.layouts.models import Manifest, load_manifest
-from reshard_cli.layouts.yamlio import check_keys, line_of, load_yaml, parse_ranks
+from reshard_cli.layouts.yamlio import check_keys, line_of, parse_ranks
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 FIRST_STAGE_RE = re.compile(r"embed|wte|word_embeddings")
 TOP_KEYS = ("name", "description", "model", "dtype", "ranks", "mesh", "meshes", "pipeline", "experts",
-            "placements", "source", "format", "engine", "megatron")
+            "placements", "source", "format")  # + the keys the storage formats own (`formats`)
 RULE_KEYS = ("match", "mesh", "shard", "pad", "stages")
 
 
@@ -172,16 +168,15 @@ class Layout:
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> Layout:
-    """Load and validate a layout YAML. `first_rank` is where `ranks` starts when the file omits it."""
-    path = bundled.resolve("layout", path)
-    return layout_from_doc(load_yaml(path), file=str(path), first_rank=first_rank, scale=scale)
+def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1, format: str = "hf",
+                    expand: Callable | None = None, engine_url: str | None = None,
+                    format_keys: tuple = ()) -> Layout:
+    """A layout from its document; `file` names it in errors and relative paths resolve against its directory.
 
-
-def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1) -> Layout:
-    """A layout from its document (a loaded YAML file, or one a helper wrote, e.g. from a live Megatron model);
-    `file` names it in errors and relative paths resolve against its directory."""
-    check_keys(doc, TOP_KEYS, file=file, where="", required=("model",))
+    Layouts are read through `reshard_cli.formats` (`load_layout`, `load_pair`, `layout_from_doc`), which
+    passes the document's storage format here: its name, `expand(doc, manifest, file)` (the document with
+    what the format derives filled in), the engine it describes, and the top-level keys formats own."""
+    check_keys(doc, TOP_KEYS + format_keys, file=file, where="", required=("model",))
     if ("mesh" in doc) == ("meshes" in doc):
         raise ConfigError("give exactly one of `mesh:` (one mesh) or `meshes:` (named meshes)", file=file,
                           line=getattr(doc, "line", None))
@@ -193,23 +188,9 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
     if dtype is not None and not isinstance(dtype, str):
         raise ConfigError("expected a dtype name like bfloat16", file=file, key="dtype", line=line_of(doc, "dtype"))
     manifest = load_manifest(model, base_dir=Path(file).parent, dtype=dtype, file=file, key="model", scale=scale)
-    fmt = doc.get("format", "hf")
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown format {fmt!r} (formats: {', '.join(FORMATS)})", file=file, key="format",
-                          line=line_of(doc, "format"))
-    generated = fmt != "hf"
-    engine_url = None
-    if fmt == "vllm":  # the format writes the meshes, pipeline split, expert owners and rules vLLM uses
-        engine_url = vllm_format.engine_url(doc, file)
-        doc = vllm_format.expand(doc, manifest, file)
-    elif fmt == "megatron":  # likewise from Megatron's own parallel arguments
-        doc = megatron_format.expand(doc, manifest, file)
-    elif "engine" in doc:
-        raise ConfigError("`engine:` describes an engine format's deployment; this layout has none (format: hf)",
-                          file=file, key="engine", line=line_of(doc, "engine"))
-    if "megatron" in doc:
-        raise ConfigError("`megatron:` holds Megatron's parallel arguments; it needs `format: megatron`", file=file,
-                          key="megatron", line=line_of(doc, "megatron"))
+    generated = expand is not None  # the format wrote the rules: a rule matching nothing is not the user's
+    if expand is not None:
+        doc = expand(doc, manifest, file)
 
     raw_meshes = {"default": doc["mesh"]} if "mesh" in doc else doc["meshes"]
     mesh_key = "mesh" if "mesh" in doc else "meshes"
@@ -281,7 +262,7 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
     name = str(doc.get("name") or Path(file).stem)
     return Layout(file=file, name=name, manifest=manifest, ranks=ranks, meshes=meshes, pipeline=pipeline,
                   stage_of_layer=stage_of_layer, experts=experts, rules=tuple(rules),
-                  placements=tuple(placements), source=doc.get("source"), format=fmt, expert_order=expert_order,
+                  placements=tuple(placements), source=doc.get("source"), format=format, expert_order=expert_order,
                   engine_url=engine_url)
 
 
@@ -358,10 +339,10 @@ def expert_owner(e: int, num_experts: int, n: int, order: str) -> int:
     return e // (num_experts // n)
 
 
-def load_pair(src_path: str | Path, dst_path: str | Path, *, scale: int = 1) -> tuple[Layout, Layout]:
-    """Load both layouts: dst ranks default to right after src; models must match; groups must not overlap."""
-    src = load_layout(src_path, scale=scale)
-    dst = load_layout(dst_path, first_rank=max(src.ranks) + 1, scale=scale)
+def check_pair(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
+    """A source and a destination layout that can be planned together: groups must not overlap and the models
+    must match. Returns them with dst's tensors in src's order (a checkpoint's header order against a config's
+    order)."""
     overlap = sorted(set(src.ranks) & set(dst.ranks))
     if overlap:
         raise ConfigError(f"src and dst ranks overlap (rank {overlap[0]}{' and more' if len(overlap) > 1 else ''}); "
@@ -369,7 +350,7 @@ def load_pair(src_path: str | Path, dst_path: str | Path, *, scale: int = 1) -> 
     diff = src.manifest.diff(dst.manifest)
     if diff:
         raise ConfigError(f"src and dst models differ: {'; '.join(diff)}", file=dst.file, key="model")
-    return src, dst.in_order_of(src.manifest)  # e.g. a checkpoint's header order against a config's order
+    return src, dst.in_order_of(src.manifest)
 
 
 def _parse_pipeline(doc, file, meshes, all_dims, num_layers) -> tuple[str | None, tuple[int, ...]]:

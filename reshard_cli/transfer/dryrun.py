@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Sequence
 
 from reshard_cli.errors import ConfigError, ReshardError
-from reshard_cli.layouts.layout import Layout, load_pair
+from reshard_cli.layouts.layout import Layout
+from reshard_cli.formats import load_pair
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 
 DEFAULT_PORT = 29500

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.layouts.layout import Layout, Mesh, Placement, load_layout, load_pair
+from reshard_cli.layouts.layout import Layout, Mesh, Placement
+from reshard_cli import formats
+from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.models import Manifest, TensorSpec
 from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
@@ -154,9 +156,9 @@ class Refit:
                 continue
             man = layout.manifest
             held_names = (man.tensors[t].name for t, _ in layout.held(self.rank))
-            if layout.format == "megatron" and role == "src" and any(n not in tensors for n in held_names):
-                from reshard_cli.formats import megatron
-                tensors = {**tensors, **megatron.bind(tensors, layout, self.rank, self._casts)}  # Megatron's names
+            bind = formats.get(layout.format).bind
+            if bind is not None and any(n not in tensors for n in held_names):  # the framework's own names
+                tensors = {**tensors, **bind(tensors, layout, self.rank, self._casts)}
             for t, box in layout.held(self.rank):
                 spec = man.tensors[t]
                 if spec.name not in tensors:

@@ -13,8 +13,9 @@ idle. A worker's steps, each its own function below:
   6. report  — rank 0 prints the table and returns the JSON twin
 
 When the destination layout names a running engine (`engine: {kind: vllm, url: ...}`), only the source ranks
-start, and `_push` moves the weights into the engine through the `reshard` weight-transfer backend instead
-(steps 1, 3, 4 and 6 as above, the destination side done by the engine's workers).
+start, and the `push` the caller passes (`reshard_cli.engines.vllm.push`) moves the weights into the engine
+through its weight-transfer backend instead (steps 1, 3, 4 and 6 as above, the destination side done by the
+engine's workers).
 
 `Hooks` are fixed points where tests inject faults (a rank that dies, a byte that flips); production runs
 with none.
@@ -27,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from reshard_cli.errors import ConfigError, RuntimeFailure
 from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
-from reshard_cli.layouts.layout import load_pair
+from reshard_cli.formats import load_pair
 from reshard_cli.layouts.topology import NO_TOPOLOGY, load_topology
 from reshard_cli.base import checksums
 from reshard_cli.transfer import launcher, verify
@@ -94,8 +96,12 @@ def launch_run(opts: RunOptions) -> None:
 # ------------------------------------------------------------------------------------------------ worker
 
 
-def worker(opts: RunOptions) -> dict | None:
-    """One rank of `reshard run`. Rank 0 returns the report (its `_text` is the table); others None."""
+def worker(opts: RunOptions, push: Callable | None = None) -> dict | None:
+    """One rank of `reshard run`. Rank 0 returns the report (its `_text` is the table); others None.
+
+    `push(opts, plan, rank, world, device)` moves the weights into a running engine when the destination layout
+    names one (`engine: {url}`); the engine integrations above this layer provide it
+    (`reshard_cli.engines.vllm.push`)."""
     rank, world = launcher.rank_and_world()
     auto = opts.topology is not None and str(opts.topology) == "auto"  # discovered once the job is up
 
@@ -115,7 +121,10 @@ def worker(opts: RunOptions) -> dict | None:
         if auto:
             plan = replace(plan, topology=_discover_topology(world))
         if plan.dst.engine_url:
-            return _push(opts, plan, rank, world, device)
+            if push is None:
+                raise ConfigError(f"the destination is a running engine ({plan.dst.engine_url}) and no engine "
+                                  f"integration was given to push into it", key="--dst")
+            return push(opts, plan, rank, world, device)
         return _work(opts, plan, rank, world, device)
 
 
@@ -132,7 +141,7 @@ def _discover_topology(world: int):
 
 
 def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> dict | None:
-    source, src_shards, dst_shards = _load(opts, plan, rank, device)
+    source, src_shards, dst_shards = load(opts, plan, rank, device)
     bar = None
     if rank == 0 and not opts.quiet and sys.stderr.isatty():
         from tqdm import tqdm
@@ -166,82 +175,7 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
     return report
 
 
-def _push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> dict | None:
-    """Into a running `vllm serve` (`engine: {url}` in the destination layout): this job's ranks are the
-    sources; the engine's workers join a refit group with them through the `reshard` weight-transfer backend
-    (rank 0 drives vLLM's HTTP routes), and every piece lands in the engine's own storage. Verified by the
-    checksums the workers compute of what they hold against the sources'."""
-    from reshard_cli.transfer import vllm_backend as vb
-    from reshard_cli.base.ports import free_port
-
-    url = plan.dst.engine_url
-    source, src_shards, _ = _load(opts, plan, rank, device)
-    with launcher.collected("reaching the engine"):
-        if rank == 0:
-            vb.check_engine(url, plan.dst.size, timeout=min(opts.timeout, 30.0))
-    port = [free_port() if rank == 0 else None]
-    dist.broadcast_object_list(port, 0)
-    man = plan.src.manifest.tensors
-    tensors = {man[t].name: sh.data for t, sh in src_shards.items()}
-    info = vb.ReshardTrainerInitInfo(
-        host=opts.refit_host or os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port[0], rank=rank,
-        src=vb.portable_layout(plan.src.file), dst=vb.portable_layout(plan.dst.file), timeout=opts.timeout,
-        bucket_mb=opts.bucket_mb)
-    client = vb.http_client(url, opts.timeout) if rank == 0 else None
-    with launcher.collected("starting the engine's refit"):
-        engine = vb.ReshardTrainerEngine.trainer_init(info, client=client, source=vb.ReshardSource(lambda: tensors))
-    reports = []
-    with launcher.collected("pushing into the engine"):
-        for _ in range(max(opts.iters, 1)):
-            reports.append(engine.send_weights())
-    engine.shutdown()
-    if source is not None:
-        source.close()
-    if rank != 0:
-        return None
-    return _engine_report(opts, plan, url, reports, world)
-
-
-def _engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int) -> dict:
-    """Rank 0's table for a push into a running engine, and its JSON twin."""
-    from reshard_cli.base.text import fmt_bytes, table
-
-    timed = reports[1:] if len(reports) > 1 else reports
-    seconds = statistics.median(r["seconds"] for r in timed)
-    workers = reports[-1]["workers"]
-    received = sum(w["bytes_received"] for w in workers)
-    direct = sum(w["direct_bytes"] for w in workers)
-    repacked = sum(w.get("processed_bytes", 0) for w in workers)
-    ok = all(r["trainer"]["checksums_ok"] for r in reports) and all(w.get("checksums_ok") for w in workers)
-    stats = plan.stats()
-    doc = {"mode": "reshard", "src": plan.src.name, "dst": plan.dst.name, "engine": url,
-           "model": plan.src.manifest.name, "world": world + plan.dst.size, "iters": opts.iters,
-           "seconds": seconds, "bytes": stats["bytes"], "wire_bytes": received,
-           "wire_gbps": received / seconds / 1e9 if seconds else 0.0,
-           "direct_bytes": direct, "direct_bytes_fraction": direct / received if received else 1.0,
-           "engine_repacked_bytes": repacked, "verified": "checksums", "ok": ok,
-           "workers": [{k: v for k, v in w.items() if k != "error"} for w in workers]}
-    rows = [["reshard", stats["tensors"], fmt_bytes(stats["bytes"]), fmt_bytes(received), f"{seconds * 1e3:.1f}",
-             f"{doc['wire_gbps']:.2f}", 0 if ok else "checksums differ"]]
-    lines = [f"reshard run: {plan.src.manifest.name}  {plan.src.name} ({plan.src.size} ranks) -> vllm serve at {url} "
-             f"({plan.dst.size} workers, {plan.dst.name})  mode reshard  iters {opts.iters}"
-             f"{' (median after warm-up)' if opts.iters > 1 else ''}",
-             table(["path", "tensors", "bytes", "wire", "time ms", "GB/s", "#wrong"], rows),
-             f"  into engine storage: {fmt_bytes(direct)} of {fmt_bytes(received)} received bytes landed in place "
-             f"({100 * doc['direct_bytes_fraction']:.0f} %); vLLM then repacked {fmt_bytes(repacked)} into its "
-             f"kernels' format",
-             "  verified by checksums the workers computed of what they hold:"]
-    for w in workers:
-        lines.append(f"    worker rank {w['worker']:>4}  {fmt_bytes(w['bytes_received']):>10}  "
-                     f"{'ok' if w.get('checksums_ok') else 'WRONG'}")
-    if not ok:
-        lines.append("  FAILED: the engine's weights differ from the source")
-        doc["_failed"] = True
-    doc["_text"] = "\n".join(lines)
-    return doc
-
-
-def _load(opts: RunOptions, plan: Plan, rank: int, device: torch.device):
+def load(opts: RunOptions, plan: Plan, rank: int, device: torch.device):
     """Step 1: the source's check and this rank's shards; sentinel-filled destination buffers."""
     from reshard_cli.io import sinks, sources
 

@@ -1,6 +1,6 @@
 """reshard as a vLLM weight-transfer backend: the worker engine inside vLLM, the trainer engine beside it.
 
-pyproject.toml declares `reshard = "reshard_cli.transfer.vllm_backend:register"` in the `vllm.general_plugins`
+pyproject.toml declares `reshard = "reshard_cli.engines.vllm.backend:register"` in the `vllm.general_plugins`
 group, so every vLLM process (the engine core and its workers) registers the backend `reshard` in vLLM's
 `WeightTransferEngineFactory` and `WeightTransferTrainerFactory`; `LLM(..., weight_transfer_config={"backend":
 "reshard"})` and `vllm serve ... --weight-transfer-config '{"backend": "reshard"}'` then build
@@ -672,7 +672,7 @@ def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
 def _layouts(src_text: str, dst_text: str, trainer_size: int = 0):
     """The two layouts from YAML text (src may be empty: read from DTensors at the first refit; the engine's
     ranks then start after the trainer's `trainer_size` unless its layout says otherwise)."""
-    from reshard_cli.layouts.layout import load_layout, load_pair
+    from reshard_cli.formats import load_layout, load_pair
 
     with tempfile.TemporaryDirectory(prefix="reshard-vllm-") as tmp:
         paths = {}

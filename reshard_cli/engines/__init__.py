@@ -1,0 +1,2 @@
+"""Integrations with inference engines, each in a room of its own (`vllm/`): everything that touches an
+engine's internals lives there, above the transfer layer it drives."""

@@ -1,0 +1,86 @@
+"""`reshard run` into a running `vllm serve`: the job's ranks are the sources, the engine's workers the
+destination, joined through the `reshard` weight-transfer backend (`backend`)."""
+from __future__ import annotations
+
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from reshard_cli.base.ports import free_port
+from reshard_cli.base.text import fmt_bytes, table
+from reshard_cli.engines.vllm import backend as vb
+from reshard_cli.plan.planner import Plan
+from reshard_cli.transfer import launcher
+from reshard_cli.transfer.run import RunOptions, load
+
+
+def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> dict | None:
+    """Into a running `vllm serve` (`engine: {url}` in the destination layout): this job's ranks are the
+    sources; the engine's workers join a refit group with them through the `reshard` weight-transfer backend
+    (rank 0 drives vLLM's HTTP routes), and every piece lands in the engine's own storage. Verified by the
+    checksums the workers compute of what they hold against the sources'."""
+    url = plan.dst.engine_url
+    source, src_shards, _ = load(opts, plan, rank, device)
+    with launcher.collected("reaching the engine"):
+        if rank == 0:
+            vb.check_engine(url, plan.dst.size, timeout=min(opts.timeout, 30.0))
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, 0)
+    man = plan.src.manifest.tensors
+    tensors = {man[t].name: sh.data for t, sh in src_shards.items()}
+    info = vb.ReshardTrainerInitInfo(
+        host=opts.refit_host or os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port[0], rank=rank,
+        src=vb.portable_layout(plan.src.file), dst=vb.portable_layout(plan.dst.file), timeout=opts.timeout,
+        bucket_mb=opts.bucket_mb)
+    client = vb.http_client(url, opts.timeout) if rank == 0 else None
+    with launcher.collected("starting the engine's refit"):
+        engine = vb.ReshardTrainerEngine.trainer_init(info, client=client, source=vb.ReshardSource(lambda: tensors))
+    reports = []
+    with launcher.collected("pushing into the engine"):
+        for _ in range(max(opts.iters, 1)):
+            reports.append(engine.send_weights())
+    engine.shutdown()
+    if source is not None:
+        source.close()
+    if rank != 0:
+        return None
+    return engine_report(opts, plan, url, reports, world)
+
+
+def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int) -> dict:
+    """Rank 0's table for a push into a running engine, and its JSON twin."""
+    timed = reports[1:] if len(reports) > 1 else reports
+    seconds = statistics.median(r["seconds"] for r in timed)
+    workers = reports[-1]["workers"]
+    received = sum(w["bytes_received"] for w in workers)
+    direct = sum(w["direct_bytes"] for w in workers)
+    repacked = sum(w.get("processed_bytes", 0) for w in workers)
+    ok = all(r["trainer"]["checksums_ok"] for r in reports) and all(w.get("checksums_ok") for w in workers)
+    stats = plan.stats()
+    doc = {"mode": "reshard", "src": plan.src.name, "dst": plan.dst.name, "engine": url,
+           "model": plan.src.manifest.name, "world": world + plan.dst.size, "iters": opts.iters,
+           "seconds": seconds, "bytes": stats["bytes"], "wire_bytes": received,
+           "wire_gbps": received / seconds / 1e9 if seconds else 0.0,
+           "direct_bytes": direct, "direct_bytes_fraction": direct / received if received else 1.0,
+           "engine_repacked_bytes": repacked, "verified": "checksums", "ok": ok,
+           "workers": [{k: v for k, v in w.items() if k != "error"} for w in workers]}
+    rows = [["reshard", stats["tensors"], fmt_bytes(stats["bytes"]), fmt_bytes(received), f"{seconds * 1e3:.1f}",
+             f"{doc['wire_gbps']:.2f}", 0 if ok else "checksums differ"]]
+    lines = [f"reshard run: {plan.src.manifest.name}  {plan.src.name} ({plan.src.size} ranks) -> vllm serve at {url} "
+             f"({plan.dst.size} workers, {plan.dst.name})  mode reshard  iters {opts.iters}"
+             f"{' (median after warm-up)' if opts.iters > 1 else ''}",
+             table(["path", "tensors", "bytes", "wire", "time ms", "GB/s", "#wrong"], rows),
+             f"  into engine storage: {fmt_bytes(direct)} of {fmt_bytes(received)} received bytes landed in place "
+             f"({100 * doc['direct_bytes_fraction']:.0f} %); vLLM then repacked {fmt_bytes(repacked)} into its "
+             f"kernels' format",
+             "  verified by checksums the workers computed of what they hold:"]
+    for w in workers:
+        lines.append(f"    worker rank {w['worker']:>4}  {fmt_bytes(w['bytes_received']):>10}  "
+                     f"{'ok' if w.get('checksums_ok') else 'WRONG'}")
+    if not ok:
+        lines.append("  FAILED: the engine's weights differ from the source")
+        doc["_failed"] = True
+    doc["_text"] = "\n".join(lines)
+    return doc

@@ -132,3 +132,37 @@ def test_a_running_engine_is_not_started_by_reshard_run(tmp_path):
     assert world_size(src, dst) == 4
     (tmp_path / "infer.yaml").write_text("model: qwen3-0.6b\nformat: vllm\nmesh: {tp: 2}\n")
     assert world_size(tmp_path / "train.yaml", tmp_path / "infer.yaml") == 6
+
+
+def test_a_new_format_is_its_module_and_one_registry_line(tmp_path, monkeypatch):
+    """The registry is the only place that knows the formats: a format registered there (here a toy one that
+    shards every matrix over tp and owns a `toy:` key) is loaded, expanded, summarised and bound like the
+    built-in ones, and its key is refused on another format's layout."""
+    import torch
+
+    from reshard_cli import formats
+    from reshard_cli.formats.base import Format
+
+    def expand(doc, manifest, file):
+        out = {k: v for k, v in doc.items() if k != "toy"}
+        out["placements"] = [{"match": r"proj\.weight$", "shard": {"tp": doc["toy"]["dim"]}}]
+        return out
+
+    def bind(params, layout, rank, casts=None):
+        return {name.removeprefix("toy."): p for name, p in params.items()}
+
+    toy = Format(name="toy", description="a test format", keys={"toy": "holds the toy's split"}, expand=expand,
+                 bind=bind, summary=lambda layout: {"format": "toy", "rank": layout.ranks[0]})
+    monkeypatch.setitem(formats.FORMATS, "toy", toy)
+    monkeypatch.setitem(formats._OWNED, "toy", toy)
+    lay = layout(tmp_path, "model: qwen3-0.6b\nformat: toy\nmesh: {tp: 2}\ntoy: {dim: 1}\n")
+    q = lay.manifest.index("model.layers.0.self_attn.q_proj.weight")
+    assert lay.format == "toy" and lay.placements[q].shard == (1,)
+    assert formats.summary(lay) == {"format": "toy", "rank": 0}
+    assert formats.get("toy").bind({"toy.a": torch.ones(1)}, lay, 0).keys() == {"a"}
+    with pytest.raises(ConfigError, match=r"`toy:` holds the toy's split; it needs `format: toy`"):
+        layout(tmp_path, "model: qwen3-0.6b\nmesh: {tp: 2}\ntoy: {dim: 0}\n", name="hf.yaml")
+    with pytest.raises(ConfigError, match=r"unknown format 'toys' \(formats: hf, vllm, megatron, toy\)"):
+        layout(tmp_path, "model: qwen3-0.6b\nformat: toys\nmesh: {tp: 2}\n", name="bad.yaml")
+    with pytest.raises(ConfigError, match="cannot derive a layout from a running model"):
+        formats.live_layout("toy", None, "qwen3-0.6b")

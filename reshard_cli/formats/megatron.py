@@ -607,8 +607,14 @@ def live_layout_doc(model, hf_model, *, rank: int | None = None, file: str = "<m
         megatron["expert_tensor_parallel_size"] = mine["etp"]
     if sizes["pp"] == 1:
         del megatron["pipeline_layers"]
-    layout = layout_from_doc(doc, file=file, format="megatron", expand=expand, format_keys=tuple(FORMAT.keys))
-    for e in everyone:  # the derived meshes must put every rank where parallel_state does
+    _check_coordinates(layout_from_doc(doc, file=file, format="megatron", expand=expand,
+                                       format_keys=tuple(FORMAT.keys)), everyone)
+    return doc
+
+
+def _check_coordinates(layout, everyone: list[dict]) -> None:
+    """The derived meshes must put every rank where Megatron's parallel_state does."""
+    for e in everyone:
         for mesh_name, got in (("dense", e["dense"]), ("expert", e["expert"])):
             mesh = layout.meshes.get(mesh_name)
             if mesh is None:
@@ -619,7 +625,6 @@ def live_layout_doc(model, hf_model, *, rank: int | None = None, file: str = "<m
             if want != have:
                 raise ConfigError(f"rank {e['rank']}: parallel_state puts it at {mesh_name} {have}, the default "
                                   f"Megatron rank order (tp-cp-ep-dp-pp) at {want}", key="parallel_state")
-    return doc
 
 
 FORMAT = Format(name="megatron", description="Megatron-core's parameters, placed by its own parallel arguments",

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from reshard_cli.layouts.models import DTYPE_SIZES
+
 
 @dataclass(frozen=True)
 class View:
     """Checkpoint tensor `tensor`'s global box `box` lands in `region` (slices) of an engine tensor."""
 
     tensor: int
-    box: object  # plan.geometry.Box
+    box: object  # base.geometry.Box
     region: tuple  # slices into the engine tensor
 
 
@@ -28,7 +30,6 @@ class EngineTensor:
 
     @property
     def nbytes(self) -> int:
-        from reshard_cli.layouts.models import DTYPE_SIZES
         n = DTYPE_SIZES[self.dtype]
         for s in self.shape:
             n *= s

@@ -88,19 +88,7 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if ep and any(re.search(_EXPERT, t.name) for t in manifest.tensors):
         rules.append({"match": _EXPERT, "mesh": "default"})  # whole experts, one owner each
     if not mla and kv and tp > 1:
-        if tp > kv:
-            if tp % kv:
-                raise ConfigError(f"tp {tp} is neither a divisor nor a multiple of the model's {kv} kv heads",
-                                  file=file, key="mesh.tp", line=_line(doc, "mesh"))
-            kv_mesh = {d: n for d, n in mesh.items() if d != "tp"}
-            kv_mesh.update(kvh=kv, kvr=tp // kv)
-            meshes["kv"] = kv_mesh
-            rules.append({"match": _KV, "mesh": "kv", "shard": {"kvh": 0}})
-        elif kv % tp:
-            raise ConfigError(f"tp {tp} does not divide the model's {kv} kv heads", file=file, key="mesh.tp",
-                              line=_line(doc, "mesh"))
-        else:
-            rules.append({"match": _KV, "mesh": "default", "shard": {"tp": 0}})
+        rules.append(_kv_rule(doc, meshes, tp, kv, file))
     tied = bool(config.get("tie_word_embeddings")) and not any(t.name.endswith("lm_head.weight")
                                                                 for t in manifest.tensors)
     if tied and "pp" in mesh:  # the last stage computes logits with the embedding: vLLM keeps it there too
@@ -120,6 +108,23 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if ep:
         out["experts"] = {"dims": [d for d in ("dp", "tp") if d in mesh], "order": effective_placement(order, config)}
     return out
+
+
+def _kv_rule(doc: dict, meshes: dict, tp: int, kv: int, file: str) -> dict:
+    """How vLLM splits k/v by kv head: over tp when kv divides by it; with tp > kv heads each head is
+    replicated tp/kv times, a `kvh × kvr` view of the tp dim (a mesh of its own, added to `meshes`)."""
+    if tp > kv:
+        if tp % kv:
+            raise ConfigError(f"tp {tp} is neither a divisor nor a multiple of the model's {kv} kv heads",
+                              file=file, key="mesh.tp", line=_line(doc, "mesh"))
+        kv_mesh = {d: n for d, n in doc["mesh"].items() if d != "tp"}
+        kv_mesh.update(kvh=kv, kvr=tp // kv)
+        meshes["kv"] = kv_mesh
+        return {"match": _KV, "mesh": "kv", "shard": {"kvh": 0}}
+    if kv % tp:
+        raise ConfigError(f"tp {tp} does not divide the model's {kv} kv heads", file=file, key="mesh.tp",
+                          line=_line(doc, "mesh"))
+    return {"match": _KV, "mesh": "default", "shard": {"tp": 0}}
 
 
 def engine_url(doc: dict, file: str) -> str | None:
@@ -166,12 +171,30 @@ def storage(layout, rank: int) -> list[EngineTensor]:
     """The engine tensors `rank` keeps, each with the checkpoint views it is made of (this rank's boxes)."""
     tensors = layout.manifest.tensors
     held = dict(layout.held(rank))
-    out: list[EngineTensor] = []
-    done: set[int] = set()
-    # fused projections: the rank's local parts stacked along dim 0
+    done: set[int] = set()  # checkpoint tensors already placed in a fused or stacked engine tensor
+    out = _fused(layout, held, done) + _expert_stacks(tensors, held, done)
+    # everything else keeps its checkpoint name; a padded vocab keeps its padded length
+    for t, box in held.items():
+        if t in done:
+            continue
+        p = layout.placements[t]
+        shape = tuple(box.sizes)
+        if p.pad > 1 and re.search(_VOCAB, tensors[t].name):
+            shape = (_padded_part(tensors[t].shape[0], p), *shape[1:])
+        region = tuple(slice(0, s) for s in box.sizes)
+        out.append(EngineTensor(tensors[t].name, shape, tensors[t].dtype, (View(t, box, region),)))
+    order_of = {name: i for i, name in enumerate(t.name for t in tensors)}
+    out.sort(key=lambda et: min(order_of[tensors[v.tensor].name] for v in et.views))
+    return out
+
+
+def _fused(layout, held: dict, done: set) -> list[EngineTensor]:
+    """Fused projections (`_FUSED`): the rank's local parts of each member stacked along dim 0."""
+    tensors = layout.manifest.tensors
+    out = []
     for t, box in held.items():
         name = tensors[t].name
-        if _EXPERT_RE.match(name):  # routed experts are stacked below, not fused one by one
+        if _EXPERT_RE.match(name):  # routed experts are stacked by `_expert_stacks`, not fused one by one
             continue
         for fused, parts in _FUSED:
             suffix = next((s for s in (".weight", ".bias") if name.endswith(f"{parts[0]}{s}")), None)
@@ -190,13 +213,18 @@ def storage(layout, rank: int) -> list[EngineTensor]:
                 done.add(m)
             rest = held[members[0]].sizes[1:]
             out.append(EngineTensor(stem + fused + suffix, (row, *rest), tensors[t].dtype, tuple(views)))
-    # routed experts: stacked per layer, this rank's experts in global order
+    return out
+
+
+def _expert_stacks(tensors, held: dict, done: set) -> list[EngineTensor]:
+    """Routed experts stacked per layer, this rank's experts in global order: w13 = [gate; up], w2 = down."""
     stacks: dict[str, dict] = {}
     for t, box in held.items():
         m = _EXPERT_RE.match(tensors[t].name)
         if m and t not in done:
             st = stacks.setdefault(m["pre"], {})
             st.setdefault(int(m["e"]), {})[m["proj"]] = (t, box)
+    out = []
     for pre, experts in stacks.items():
         order = sorted(experts)
         first = experts[order[0]]
@@ -216,18 +244,6 @@ def storage(layout, rank: int) -> list[EngineTensor]:
                                 tuple(w13)))
         out.append(EngineTensor(f"{pre}.{EXPERT_STACK}.w2_weight", (len(order), d.sizes[0], d.sizes[1]), dtype,
                                 tuple(w2)))
-    # everything else keeps its checkpoint name; a padded vocab keeps its padded length
-    for t, box in held.items():
-        if t in done:
-            continue
-        p = layout.placements[t]
-        shape = tuple(box.sizes)
-        if p.pad > 1 and re.search(_VOCAB, tensors[t].name):
-            shape = (_padded_part(tensors[t].shape[0], p), *shape[1:])
-        region = tuple(slice(0, s) for s in box.sizes)
-        out.append(EngineTensor(tensors[t].name, shape, tensors[t].dtype, (View(t, box, region),)))
-    order_of = {name: i for i, name in enumerate(t.name for t in tensors)}
-    out.sort(key=lambda et: min(order_of[tensors[v.tensor].name] for v in et.views))
     return out
 
 

@@ -20,6 +20,10 @@ from typing import Any, Callable
 import torch
 
 from reshard_cli.base.ports import free_port
+from reshard_cli.base.text import fmt_bytes, table
+from reshard_cli.errors import ReshardError
+from reshard_cli.hw import nvml
+from reshard_cli.layouts.yamlio import format_ranks
 
 REPEATS = 5        # copies: best of this many
 P2P_REPEATS = 3    # process to process: best of this many
@@ -129,8 +133,6 @@ def measure(mb: int = 256, *, repeats: int = REPEATS) -> list[dict]:
 
 
 def bandwidth_table(rows: list[dict]) -> str:
-    from reshard_cli.base.text import fmt_bytes, table
-
     return "\n" + "bandwidth (best of a few):\n" + table(
         ["test", "from", "to", "size", "ms", "GB/s"],
         [[r["test"], r["from"], r["to"], fmt_bytes(r["bytes"]), f"{r['seconds'] * 1e3:.2f}", f"{r['gbps']:.2f}"]
@@ -142,8 +144,6 @@ def bandwidth_table(rows: list[dict]) -> str:
 
 def topo_text(d) -> str:
     """`nvml.render(d)`; without NVML, first a line saying so, then the CPU host as one domain."""
-    from reshard_cli.hw import nvml
-
     text = nvml.render(d)
     if not d.gpus and d.nvml_error:
         text = d.nvml_error + "\n" + text.replace(f", {d.nvml_error}\n", "\n", 1)
@@ -156,10 +156,6 @@ def job_topology(*, bandwidth: bool = False, mb: int = 256) -> dict | None:
     Keys: world, hosts [{hostname, ranks, discovery, bandwidth}], keys (per global rank), topology (the YAML
     dict); `_text` (what to print) and `_topology` (a Topology) for the CLI."""
     import torch.distributed as dist
-
-    from reshard_cli.hw import nvml
-    from reshard_cli.errors import ReshardError
-    from reshard_cli.layouts.yamlio import format_ranks
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -181,6 +177,18 @@ def job_topology(*, bandwidth: bool = False, mb: int = 256) -> dict | None:
         dist.destroy_process_group()
     if rank != 0:
         return None
+    hosts = _hosts(everyone)
+    keys = [e["key"] for e in everyone]
+    topology = nvml.domains_from_keys(keys)
+    doc = {"world": world, "keys": keys, "topology": topology.to_yaml_dict(),
+           "hosts": [{k: v for k, v in h.items() if k != "text"} for h in hosts.values()]}
+    doc["_text"] = _job_text(world, hosts, topology)
+    doc["_topology"] = topology
+    return doc
+
+
+def _hosts(everyone: list[dict]) -> dict[str, dict]:
+    """Every rank's report, grouped by host: its ranks, domain keys, discovery, one bandwidth table, errors."""
     hosts: dict[str, dict] = {}
     for e in everyone:
         h = hosts.setdefault(e["hostname"], {"hostname": e["hostname"], "ranks": [], "discovery": e["discovery"],
@@ -191,8 +199,10 @@ def job_topology(*, bandwidth: bool = False, mb: int = 256) -> dict | None:
             h["bandwidth"] = e["bandwidth"]
         if e["error"]:
             h.setdefault("errors", []).append(f"rank {e['rank']}: {e['error']}")
-    keys = [e["key"] for e in everyone]
-    topology = nvml.domains_from_keys(keys)
+    return hosts
+
+
+def _job_text(world: int, hosts: dict[str, dict], topology) -> str:
     lines = [f"reshard topo: {world} ranks on {len(hosts)} host{'s' if len(hosts) != 1 else ''}, "
              f"{len(topology.domains)} domain{'s' if len(topology.domains) != 1 else ''}"]
     for h in hosts.values():
@@ -207,11 +217,7 @@ def job_topology(*, bandwidth: bool = False, mb: int = 256) -> dict | None:
             lines.append(bandwidth_table(h["bandwidth"]))
     lines.append("")
     lines.append("job domains: " + "  ".join(format_ranks(dom) for dom in topology.domains))
-    doc = {"world": world, "keys": keys, "topology": topology.to_yaml_dict(),
-           "hosts": [{k: v for k, v in h.items() if k != "text"} for h in hosts.values()]}
-    doc["_text"] = "\n".join(lines)
-    doc["_topology"] = topology
-    return doc
+    return "\n".join(lines)
 
 
 __all__ = ["measure", "memcpy_row", "gpu_rows", "process_row", "bandwidth_table", "topo_text", "job_topology"]

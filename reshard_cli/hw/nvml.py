@@ -393,40 +393,49 @@ def _has_link_data(g: Gpu) -> bool:
     return any(lk.state == "up" and (lk.remote_type == "switch" or lk.remote_bus_id) for lk in g.links)
 
 
-def _derive_domains(api: _Api, gpus: list[Gpu], handles: dict[int, Any], hostname: str
-                    ) -> tuple[list[list[int]], list[str], set[tuple[int, int]]]:
-    """Returns (domains, keys, P2P-only NVLink pairs)."""
-    if not gpus:
-        return [], [cpu_key(hostname)], set()
-    parent = {g.index: g.index for g in gpus}
+class _Components:
+    """Union-find over GPU indices: GPUs joined by any NVLink evidence end in one domain."""
 
-    def find(x: int) -> int:
+    def __init__(self, indices):
+        self.parent = {i: i for i in indices}
+
+    def find(self, x: int) -> int:
+        parent = self.parent
         while parent[x] != x:
             parent[x] = parent[parent[x]]
             x = parent[x]
         return x
 
-    def union(a: int, b: int) -> None:
-        ra, rb = find(a), find(b)
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
         if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
+            self.parent[max(ra, rb)] = min(ra, rb)
 
+
+def _derive_domains(api: _Api, gpus: list[Gpu], handles: dict[int, Any], hostname: str
+                    ) -> tuple[list[list[int]], list[str], set[tuple[int, int]]]:
+    """Returns (domains, keys, P2P-only NVLink pairs). Evidence, strongest first: one fabric clique (multi-node
+    NVLink), NVSwitch links, direct NVLink links to a GPU's bus id, and pairwise P2P status where link data
+    is missing."""
+    if not gpus:
+        return [], [cpu_key(hostname)], set()
+    comp = _Components(g.index for g in gpus)
     fabric_first: dict[tuple[str, int], int] = {}
     for g in gpus:
         if g.fabric is not None:
             if g.fabric in fabric_first:
-                union(fabric_first[g.fabric], g.index)
+                comp.union(fabric_first[g.fabric], g.index)
             else:
                 fabric_first[g.fabric] = g.index
     plain = [g for g in gpus if g.fabric is None]
     switched = [g.index for g in plain if _switch_links(g)]
     for idx in switched[1:]:
-        union(switched[0], idx)
+        comp.union(switched[0], idx)
     by_bus = {g.bus_id: g for g in plain if g.bus_id}
     for g in plain:
         for lk in g.links:
             if lk.state == "up" and lk.remote_type == "gpu" and lk.remote_bus_id in by_bus:
-                union(g.index, by_bus[lk.remote_bus_id].index)
+                comp.union(g.index, by_bus[lk.remote_bus_id].index)
     p2p: set[tuple[int, int]] = set()
     nvlink_index = api.const("NVML_P2P_CAPS_INDEX_NVLINK", 2)
     ok = api.const("NVML_P2P_STATUS_OK", 0)
@@ -437,28 +446,31 @@ def _derive_domains(api: _Api, gpus: list[Gpu], handles: dict[int, Any], hostnam
             status = api.call("nvmlDeviceGetP2PStatus", handles[a.index], handles[b.index], nvlink_index)
             if status is not None and int(status) == ok:
                 p2p.add((a.index, b.index))
-                union(a.index, b.index)
-
+                comp.union(a.index, b.index)
     groups: dict[int, list[int]] = {}
     for g in gpus:
-        groups.setdefault(find(g.index), []).append(g.index)
+        groups.setdefault(comp.find(g.index), []).append(g.index)
     domains = sorted((sorted(v) for v in groups.values()), key=lambda d: d[0])
+    return domains, _domain_keys(domains, gpus, set(switched), hostname), p2p
+
+
+def _domain_keys(domains: list[list[int]], gpus: list[Gpu], switched: set, hostname: str) -> list[str]:
+    """A key per domain that every process on the job derives alike (ranks with equal keys share a domain)."""
     by_index = {g.index: g for g in gpus}
-    switched_set = set(switched)
     keys: list[str] = []
     islands = 0
     for dom in domains:
         fab = by_index[dom[0]].fabric
         if fab is not None:
             keys.append(f"fabric:{fab[0]}:{fab[1]}")
-        elif switched_set & set(dom):
+        elif switched & set(dom):
             keys.append(f"host:{hostname}:nvswitch")
         elif len(dom) > 1:
             keys.append(f"host:{hostname}:nvlink:{islands}")
             islands += 1
         else:
             keys.append(f"host:{hostname}:gpu{dom[0]}")
-    return domains, keys, p2p
+    return keys
 
 
 _PCIE_NAMES = (("NVML_TOPOLOGY_INTERNAL", 0, "PIX"), ("NVML_TOPOLOGY_SINGLE", 10, "PIX"),

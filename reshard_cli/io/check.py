@@ -34,6 +34,7 @@ import numpy as np
 
 from reshard_cli.io import sinks
 from reshard_cli.base import rowsum
+from reshard_cli.base.text import fmt_bytes, table
 from reshard_cli.errors import ConfigError
 from reshard_cli.base.geometry import Box
 from reshard_cli.layouts.layout import Layout
@@ -113,8 +114,6 @@ class CheckResult:
                 "problems": [asdict(p) for p in self.problems]}
 
     def text(self, limit: int = 50) -> str:
-        from reshard_cli.base.text import fmt_bytes, table
-
         lines = [f"reshard check: {self.model}  {self.src} -> {self.dst} ({len(self.ranks)} ranks)  "
                  f"source {self.source}  out {self.out}"]
         if self.problems:
@@ -253,57 +252,64 @@ def _check_rank(i: int, grank: int, entry: dict | None, out: Path, src: Source, 
         result.problems.append(Problem(kind, message, index=i, rank=grank, tensor=tensor, **kw))
 
     expected = {man[t].name: (t, box) for t, box in dst_l.held(grank)}
-    # 1. the manifest's entry against the dst layout
-    listed: dict = {}
+    listed = _check_entry(entry, expected, man, grank, fname, problem)
+    ok = _check_file(out / fname, expected, listed, src, src_l, man, rr, problem, block_elems, workers)
+    rr.checksum_ok = ok if entry is not None else None
+    rr.mismatches = len(result.problems) - before
+
+
+def _check_entry(entry: dict | None, expected: dict, man, grank: int, fname: str, problem) -> dict:
+    """Step 1: the manifest's entry for a rank against the dst layout. Returns the tensors it lists."""
     if entry is None:
         problem("manifest", "manifest is incomplete: it has no entry for this rank of the dst layout")
-    else:
-        listed = entry["tensors"]
-        if entry["rank"] != grank:
-            problem("manifest", f"manifest says global rank {entry['rank']}, the dst layout has {grank}")
-        if entry.get("file", fname) != fname:
-            problem("manifest", f"manifest names file {entry.get('file')!r}, expected {fname}")
-        for name in listed:
-            if name not in expected:
-                problem("manifest", "manifest lists a tensor that the dst layout does not place on this rank",
-                        name)
-        for name, (t, box) in expected.items():
-            e = listed.get(name)
-            if e is None:
-                problem("manifest", "missing from the manifest", name)
-                continue
-            if not isinstance(e, dict):
-                problem("manifest", "manifest entry is not a mapping", name)
-                continue
-            want = {"shape": list(man[t].shape), "offsets": list(box.offsets), "local_shape": list(box.sizes),
-                    "dtype": man[t].dtype}
-            for key, value in want.items():
-                if e.get(key) != value:
-                    problem("manifest", f"manifest {key} {e.get(key)}, the dst layout says {value}", name)
-    # 2. the file against the source: its header (our restricted parser) and its tensors as views of the mapping
-    path = out / fname
+        return {}
+    listed = entry["tensors"]
+    if entry["rank"] != grank:
+        problem("manifest", f"manifest says global rank {entry['rank']}, the dst layout has {grank}")
+    if entry.get("file", fname) != fname:
+        problem("manifest", f"manifest names file {entry.get('file')!r}, expected {fname}")
+    for name in listed:
+        if name not in expected:
+            problem("manifest", "manifest lists a tensor that the dst layout does not place on this rank", name)
+    for name, (t, box) in expected.items():
+        e = listed.get(name)
+        if e is None:
+            problem("manifest", "missing from the manifest", name)
+            continue
+        if not isinstance(e, dict):
+            problem("manifest", "manifest entry is not a mapping", name)
+            continue
+        want = {"shape": list(man[t].shape), "offsets": list(box.offsets), "local_shape": list(box.sizes),
+                "dtype": man[t].dtype}
+        for key, value in want.items():
+            if e.get(key) != value:
+                problem("manifest", f"manifest {key} {e.get(key)}, the dst layout says {value}", name)
+    return listed
+
+
+def _check_file(path: Path, expected: dict, listed: dict, src: Source, src_l: Layout, man, rr: "RankResult",
+                problem, block_elems: int, workers: "_Workers") -> bool:
+    """Step 2: a rank file against the source: its header (our restricted parser), then its tensors as views
+    of the mapping, compared on the workers. Returns whether every checksum matched the manifest's."""
+    fname = path.name
     if not path.is_file():
         problem("file", f"rank file {fname} is missing")
-        rr.checksum_ok = False if entry is not None else None
-        rr.mismatches = len(result.problems) - before
-        return
+        return False
     try:
         mapped = MappedSafetensors(path)
     except (ConfigError, OSError, ValueError) as e:
         problem("file", f"cannot open {fname}: {e}")
-        rr.checksum_ok = False if entry is not None else None
-        rr.mismatches = len(result.problems) - before
-        return
-    checksums_ok = entry is not None
+        return False
     try:
         keys = set(mapped.header)
         for name in sorted(keys - expected.keys()):
             problem("extra", f"extra tensor in {fname} (the dst layout does not place it on this rank)", name)
+        ok = True
         jobs = []  # (tensor name, its shard, the comparison), in order: problems are reported in this order
         for name, (t, box) in expected.items():
             if name not in keys:
                 problem("missing", f"missing from {fname}", name)
-                checksums_ok = False
+                ok = False
                 continue
             shape, dtype = tuple(mapped.header[name]["shape"]), mapped.dtype(name)
             spec = man[t]
@@ -312,34 +318,38 @@ def _check_rank(i: int, grank: int, entry: dict | None, out: Path, src: Source, 
             if dtype != spec.dtype:
                 problem("dtype", f"dtype {dtype} in {fname}, the model says {spec.dtype}", name)
             if shape != box.sizes or dtype != spec.dtype:
-                checksums_ok = False
+                ok = False
                 continue
-            t_src = src_l.manifest.index(name)
-            want, threads = _expected_blocks(src, t_src, box)
+            want, threads = _expected_blocks(src, src_l.manifest.index(name), box)
             jobs.append((name, box, workers.submit(threads, _compare, mapped.array(name), want, box, spec.shape,
                                                    block_elems)))
-        for name, box, job in jobs:
-            n, first, csum, nbytes = job.result()
-            rr.tensors += 1
-            rr.bytes += nbytes
-            if n:
-                local = [g - o for g, o in zip(first, box.offsets)]
-                problem("values", f"{n} element{'s' if n != 1 else ''} differ{'s' if n == 1 else ''} from the "
-                                  f"source, first at {first} (shard index {local})", name,
-                        count=n, first_index=first, local_index=local)
-            e = listed.get(name) if isinstance(listed.get(name), dict) else None
-            if e is not None:
-                if e.get("checksum") != rowsum.fmt(csum):
-                    problem("checksum", f"checksum of the file's shard is {rowsum.fmt(csum)}, the manifest says "
-                                        f"{e.get('checksum')}", name)
-                    checksums_ok = False
-            else:
-                checksums_ok = False
+        return _collect(jobs, listed, rr, problem) and ok
     finally:
         workers.wait()  # no job reads the mapping after it is closed, even when one failed
         mapped.close()
-    rr.checksum_ok = checksums_ok if entry is not None else None
-    rr.mismatches = len(result.problems) - before
+
+
+def _collect(jobs: list, listed: dict, rr: "RankResult", problem) -> bool:
+    """The comparisons' results, in order: differing values, and each shard's checksum against the manifest's.
+    Returns whether every checksum matched."""
+    ok = True
+    for name, box, job in jobs:
+        n, first, csum, nbytes = job.result()
+        rr.tensors += 1
+        rr.bytes += nbytes
+        if n:
+            local = [g - o for g, o in zip(first, box.offsets)]
+            problem("values", f"{n} element{'s' if n != 1 else ''} differ{'s' if n == 1 else ''} from the "
+                              f"source, first at {first} (shard index {local})", name,
+                    count=n, first_index=first, local_index=local)
+        e = listed.get(name) if isinstance(listed.get(name), dict) else None
+        if e is None:
+            ok = False
+        elif e.get("checksum") != rowsum.fmt(csum):
+            problem("checksum", f"checksum of the file's shard is {rowsum.fmt(csum)}, the manifest says "
+                                f"{e.get('checksum')}", name)
+            ok = False
+    return ok
 
 
 def _compare(got_all: np.ndarray, expected, box: Box, shape: tuple, block_elems: int,

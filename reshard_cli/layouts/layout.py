@@ -180,34 +180,61 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
     if ("mesh" in doc) == ("meshes" in doc):
         raise ConfigError("give exactly one of `mesh:` (one mesh) or `meshes:` (named meshes)", file=file,
                           line=getattr(doc, "line", None))
+    manifest = _manifest(doc, file, scale)
+    if expand is not None:  # the format writes the meshes and rules from the framework's own arguments
+        doc = expand(doc, manifest, file)
+    meshes, ranks = _parse_meshes(doc, file, first_rank)
+    all_dims = {d for m in meshes.values() for d in m.dims}
+    layers = _tensor_indices(manifest)[0]
+    num_layers = max((x for x in layers if x is not None), default=-1) + 1
+    pipeline, stage_of_layer = _parse_pipeline(doc, file, meshes, all_dims, num_layers)
+    experts, expert_order = _parse_experts(doc, file, all_dims)
+    rules = _parse_rules(doc, file, meshes)
+    placements, used = _place(manifest, rules, meshes, pipeline, stage_of_layer, experts, expert_order, file, doc)
+    for r, u in zip(rules, used):
+        if not u and expand is None:  # rules a format wrote may match nothing in this model; the user's may not
+            raise ConfigError(f"rule matches no tensor of model {manifest.name!r}", file=file,
+                              key=f"placements[{r.index}].match", line=r.line)
+    name = str(doc.get("name") or Path(file).stem)
+    return Layout(file=file, name=name, manifest=manifest, ranks=ranks, meshes=meshes, pipeline=pipeline,
+                  stage_of_layer=stage_of_layer, experts=experts, rules=tuple(rules),
+                  placements=tuple(placements), source=doc.get("source"), format=format, expert_order=expert_order,
+                  engine_url=engine_url)
 
+
+def _manifest(doc: dict, file: str, scale: int) -> Manifest:
+    """The model the layout names (`model:`, optionally `dtype:`), relative paths against the layout's folder."""
     model = doc["model"]
     if not isinstance(model, str):
         raise ConfigError("expected a model name or a path", file=file, key="model", line=line_of(doc, "model"))
     dtype = doc.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
         raise ConfigError("expected a dtype name like bfloat16", file=file, key="dtype", line=line_of(doc, "dtype"))
-    manifest = load_manifest(model, base_dir=Path(file).parent, dtype=dtype, file=file, key="model", scale=scale)
-    generated = expand is not None  # the format wrote the rules: a rule matching nothing is not the user's
-    if expand is not None:
-        doc = expand(doc, manifest, file)
+    return load_manifest(model, base_dir=Path(file).parent, dtype=dtype, file=file, key="model", scale=scale)
 
+
+def _parse_meshes(doc: dict, file: str, first_rank: int) -> tuple[dict[str, Mesh], tuple[int, ...]]:
+    """`mesh:` (one mesh, named "default") or `meshes:`, and the group's ranks (`ranks:` or `first_rank`..):
+    every mesh spans all of them."""
     raw_meshes = {"default": doc["mesh"]} if "mesh" in doc else doc["meshes"]
     mesh_key = "mesh" if "mesh" in doc else "meshes"
     if not isinstance(raw_meshes, dict) or not raw_meshes:
         raise ConfigError("expected a mapping of meshes", file=file, key=mesh_key, line=line_of(doc, mesh_key))
+
+    def where(mname) -> dict:
+        if mesh_key == "mesh":
+            return dict(key="mesh", line=line_of(doc, "mesh"))
+        return dict(key=f"meshes.{mname}", line=line_of(raw_meshes, mname))
+
     shapes: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
     for mname, spec in raw_meshes.items():
-        key = mesh_key if mesh_key == "mesh" else f"meshes.{mname}"
         if not isinstance(spec, dict) or not spec:
-            raise ConfigError("expected a mapping of dim: size, like {dp: 2, tp: 4}", file=file, key=key,
-                              line=line_of(raw_meshes, mname) if mesh_key == "meshes" else line_of(doc, "mesh"))
+            raise ConfigError("expected a mapping of dim: size, like {dp: 2, tp: 4}", file=file, **where(mname))
         for d, n in spec.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ConfigError("mesh dim size must be a positive integer", file=file, key=f"{key}.{d}",
-                                  line=line_of(spec, d))
+                raise ConfigError("mesh dim size must be a positive integer", file=file,
+                                  key=f"{where(mname)['key']}.{d}", line=line_of(spec, d))
         shapes[str(mname)] = (tuple(str(d) for d in spec), tuple(spec.values()))
-
     sizes = {m: _prod(s) for m, (_, s) in shapes.items()}
     if "ranks" in doc:
         ranks = parse_ranks(doc["ranks"], file=file, key="ranks", line=line_of(doc, "ranks"))
@@ -215,20 +242,16 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
         ranks = tuple(range(first_rank, first_rank + next(iter(sizes.values()))))
     for m, n in sizes.items():
         if n != len(ranks):
-            key = mesh_key if mesh_key == "mesh" else f"meshes.{m}"
-            raise ConfigError(f"mesh product {n} != number of ranks {len(ranks)}", file=file, key=key,
-                              line=line_of(raw_meshes, m) if mesh_key == "meshes" else line_of(doc, "mesh"))
-    meshes = {m: Mesh(m, dims, shape, ranks) for m, (dims, shape) in shapes.items()}
-    all_dims = {d for m in meshes.values() for d in m.dims}
+            raise ConfigError(f"mesh product {n} != number of ranks {len(ranks)}", file=file, **where(m))
+    return {m: Mesh(m, dims, shape, ranks) for m, (dims, shape) in shapes.items()}, ranks
 
+
+def _place(manifest: Manifest, rules: list, meshes: dict, pipeline, stage_of_layer, experts, expert_order: str,
+           file: str, doc: dict) -> tuple[list[Placement], list[bool]]:
+    """The placement of each tensor, and which rules matched any. Everything that decides a placement is
+    (rule, ndim, stage, expert owner), so each distinct key is resolved and validated once (50k-tensor models
+    share a few hundred placements); equal placements are then one shared object."""
     layers, experts_seen, shapes_of = _tensor_indices(manifest)
-    num_layers = max((x for x in layers if x is not None), default=-1) + 1
-    pipeline, stage_of_layer = _parse_pipeline(doc, file, meshes, all_dims, num_layers)
-    experts, expert_order = _parse_experts(doc, file, all_dims)
-    rules = _parse_rules(doc, file, meshes)
-
-    # Placement of each tensor. Everything that decides it is (rule, ndim, stage, expert owner), so each
-    # distinct key is resolved and validated once; 50k-tensor models share a few hundred placements.
     resolved: dict[tuple, Placement] = {}
     placements: list[Placement] = []
     used = [False] * len(rules)
@@ -254,16 +277,7 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
     # intern equal placements (e.g. the same stage reached through different layers)
     interned: dict[tuple, Placement] = {}
     canon = {id(p): interned.setdefault((p.mesh.name, p.shard, p.fixed, p.pad), p) for p in resolved.values()}
-    placements = [canon[id(p)] for p in placements]
-    for r, u in zip(rules, used):
-        if not u and not generated:
-            raise ConfigError(f"rule matches no tensor of model {manifest.name!r}", file=file,
-                              key=f"placements[{r.index}].match", line=r.line)
-    name = str(doc.get("name") or Path(file).stem)
-    return Layout(file=file, name=name, manifest=manifest, ranks=ranks, meshes=meshes, pipeline=pipeline,
-                  stage_of_layer=stage_of_layer, experts=experts, rules=tuple(rules),
-                  placements=tuple(placements), source=doc.get("source"), format=format, expert_order=expert_order,
-                  engine_url=engine_url)
+    return [canon[id(p)] for p in placements], used
 
 
 def _resolve(t, rule, default_mesh, pipeline, stage_of_layer, layer, experts, e, num_experts, file, doc,

@@ -7,12 +7,22 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from reshard_cli.errors import ConfigError, ReshardError
+from reshard_cli import formats
+from reshard_cli.base.text import fmt_bytes, table, write_json, write_json_option
+from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
+from reshard_cli.formats import load_pair
+from reshard_cli.hw import nvml
+from reshard_cli.plan.cost import plan_prediction, with_auto_routes
+from reshard_cli.plan.planner import Plan, no_gc
+from reshard_cli.report import plan_text, write_pieces
+from reshard_cli.transfer import dryrun
+from reshard_cli.transfer.results import RunReport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Refit LLM weights between trainer and inference layouts, moving only the bytes each rank needs.")
@@ -54,19 +64,11 @@ def plan(
     scale: int = ScaleOpt,
 ):
     """Show what a refit between two layouts moves, and what it costs, before any GPU is touched."""
-    from reshard_cli.plan.planner import no_gc
-
     with no_gc():  # millions of small acyclic objects: the collector's full passes would only cost time
         _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, scale)
 
 
 def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, scale) -> None:
-    import time
-
-    from reshard_cli.plan.planner import Plan
-    from reshard_cli.base.text import fmt_bytes, table, write_json_option
-    from reshard_cli.report import plan_text, write_pieces
-
     t0 = time.perf_counter()
     p = Plan.build(src, dst, topology=topology, mode=mode, reshard_match=reshard_match, scale=scale)
     t_layout = time.perf_counter() - t0
@@ -75,6 +77,7 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
             raise ConfigError(f"rank {rank} is in neither group (src {p.src.ranks[0]}-{p.src.ranks[-1]}, "
                               f"dst {p.dst.ranks[0]}-{p.dst.ranks[-1]})", key="--rank")
         t1 = time.perf_counter()
+        p = with_auto_routes(p)  # mode auto: the cost model chooses each class's route
         view = p.rank_view(rank)
         dt = time.perf_counter() - t1
         names = p.src.manifest.tensors
@@ -93,17 +96,17 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
             n = write_pieces(pieces_out, p, view.pieces, view.bcasts)
             typer.echo(f"  wrote {pieces_out} ({n} lines)")
         return
+    t1 = time.perf_counter()
+    p = with_auto_routes(p)  # mode auto: the cost model chooses each class's route
     stats = p.stats()
+    stats["plan_seconds"] = time.perf_counter() - t1  # planning, auto's choice included
     stats["layout_seconds"] = t_layout
-    from reshard_cli import formats
     trainer, engine = formats.summary(p.src), formats.summary(p.dst)
     if trainer is not None:  # the bytes are read from the trainer's own tensors
         stats["trainer"] = trainer
     if engine is not None:  # the bytes land in the engine's own tensors: what one rank's storage looks like
         stats["engine"] = engine
     typer.echo(plan_text(stats))
-    from reshard_cli.plan.cost import plan_prediction  # predicted seconds per mode + lower bound (topology links)
-
     cost_text, cost_doc = plan_prediction(p)
     if cost_text:
         typer.echo(cost_text)
@@ -155,12 +158,9 @@ def run(
 ):
     """Move the weights: starts torchrun itself, or runs as one of its workers."""
     if dry_run:  # before torch is imported: a laptop checks a 256-GPU job in a second
-        from reshard_cli.transfer import dryrun as launch
-
-        typer.echo(launch.dry_run(launch.LaunchOptions(src=src, dst=dst, topology=topology, scale=scale,
+        typer.echo(dryrun.dry_run(dryrun.LaunchOptions(src=src, dst=dst, topology=topology, scale=scale,
                                                        argv=sys.argv[1:])))
         return
-    from reshard_cli.base.text import write_json_option
     from reshard_cli.transfer import run as run_mod
     from reshard_cli.transfer.launcher import under_torchrun
 
@@ -177,16 +177,14 @@ def run(
         return
     from reshard_cli.engines.vllm.push import push  # torch: only once a worker runs
 
-    doc = run_mod.worker(opts, push=push)
-    if doc is None:  # not rank 0
+    result = run_mod.worker(opts, push=push)
+    if result is None:  # not rank 0
         return
-    typer.echo(doc.pop("_text"))
-    failed = doc.pop("_failed", False)
+    report = RunReport.of(result)  # an engine integration may still hand a dict with `_text` / `_failed`
+    typer.echo(report.text)
     if json_out:
-        write_json_option("--json", json_out, doc)
-    if failed:
-        from reshard_cli.errors import RuntimeFailure
-
+        write_json_option("--json", json_out, report.doc)
+    if report.failed:
         raise RuntimeFailure("verification failed: some destination shards are wrong (see the table above)")
 
 
@@ -202,10 +200,7 @@ def check(
     scale: int = ScaleOpt,
 ):
     """Check an output directory against its source, element by element, without torchrun."""
-    from reshard_cli.errors import RuntimeFailure
     from reshard_cli.io.check import check_output
-    from reshard_cli.base.text import write_json_option
-    from reshard_cli.formats import load_pair
 
     src_l, dst_l = load_pair(src, dst, scale=scale)
     result = check_output(src_l, dst_l, out, source)
@@ -232,9 +227,7 @@ def topo(
     """Show this host's GPUs and NVLink domains (NVML); under torchrun, every host of the job."""
     import yaml
 
-    from reshard_cli.hw import nvml
     from reshard_cli.hw.bandwidth import topo_text
-    from reshard_cli.base.text import write_json
 
     def write(path: Path, fn) -> None:
         try:

@@ -11,8 +11,9 @@ import pytest
 
 from conftest import ROOT, write_pair
 from reshard_cli.plan import cost
-from reshard_cli.plan.planner import ROUTES, Plan
-from reshard_cli.layouts.layout import load_pair
+from reshard_cli.plan.planner import Plan
+from reshard_cli.plan.terms import ROUTES, Traffic
+from reshard_cli.formats import load_pair
 from reshard_cli.layouts.topology import Topology
 from test_plan import check_coverage
 
@@ -38,7 +39,7 @@ def _by_route(plan: Plan) -> dict:
 def _check_cheapest(plan: Plan, expected: str) -> dict:
     seconds = _by_route(plan)
     assert min(seconds, key=lambda r: (seconds[r], ROUTES.index(r))) == expected, seconds
-    assert plan.class_routes() == (expected,)
+    assert plan.class_routes.routes == (expected,)
     assert set(plan.routes) == {expected}
     pred = cost.predict(plan)
     assert pred.modes["auto"].seconds == seconds[expected]  # what plan predicts for auto is the chosen route's
@@ -52,7 +53,7 @@ def test_broadcast_wins_for_one_source_many_domains(tmp_path):
     # rank 0 alone holds a 1 MiB tensor that 8 ranks in 4 domains replicate: the reshard path sends it into
     # every domain through rank 0's one NIC (4 MiB; direct: 8 MiB), a ring broadcast sends it once.
     src, dst = _one_tensor(tmp_path, (1024, 256), "mesh: {tp: 1}\n", "ranks: 2-9\nmesh: {dp: 8}\n")
-    plan = Plan(src, dst, Topology(name="t", ranks_per_domain=2, links=SLOW), mode="auto")
+    plan = cost.with_auto_routes(Plan(src, dst, Topology(name="t", ranks_per_domain=2, links=SLOW), mode="auto"))
     s = _check_cheapest(plan, "broadcast")
     assert s["forward"] == pytest.approx(4 * MiB / 1e9 + 8e-6 + MiB / 2 / 10e9 + 1e-6, rel=1e-9)
     assert s["broadcast"] == pytest.approx(MiB / 1e9 + 8 * 1e-6, rel=1e-9)  # one channel: the root is alone
@@ -65,7 +66,7 @@ def test_direct_wins_for_a_tiny_tensor(tmp_path):
     src, dst = _one_tensor(tmp_path, (16,), "mesh: {tp: 2}\nplacements:\n  - {match: w, shard: {tp: 0}}\n",
                            "mesh: {dp: 2}\n")
     links = {"network_gbps": 50.0, "nvlink_gbps": 450.0, "latency_us": 10.0}
-    plan = Plan(src, dst, Topology(name="t", ranks_per_domain=2, links=links), mode="auto")
+    plan = cost.with_auto_routes(Plan(src, dst, Topology(name="t", ranks_per_domain=2, links=links), mode="auto"))
     s = _check_cheapest(plan, "direct")
     assert s["direct"] == pytest.approx(64 / 50e9 + 2 * 10e-6, rel=1e-9)
     assert s["forward"] == pytest.approx(32 / 50e9 + 2 * 10e-6 + 32 / 450e9 + 10e-6, rel=1e-9)
@@ -77,7 +78,7 @@ def test_forward_wins_for_a_large_tensor(tmp_path):
     # the same layouts with 1 MiB: each replica takes half over the network and forwards it over NVLink.
     src, dst = _one_tensor(tmp_path, (1024, 256), "mesh: {tp: 2}\nplacements:\n  - {match: w, shard: {tp: 0}}\n",
                            "mesh: {dp: 2}\n")
-    plan = Plan(src, dst, Topology(name="t", ranks_per_domain=2, links=SLOW), mode="auto")
+    plan = cost.with_auto_routes(Plan(src, dst, Topology(name="t", ranks_per_domain=2, links=SLOW), mode="auto"))
     s = _check_cheapest(plan, "forward")
     assert s["forward"] < s["direct"] and s["forward"] < s["broadcast"]
     assert {p.phase for p in plan.pieces()} == {0, 1}
@@ -86,7 +87,7 @@ def test_forward_wins_for_a_large_tensor(tmp_path):
 def test_no_link_figures_means_forward_everywhere(tmp_path):
     src, dst = load_pair(*write_pair(tmp_path, "pp2_ep2_to_dp2_tp2"))
     for topo in (Topology(), Topology(name="bare", ranks_per_domain=2)):
-        plan = Plan(src, dst, topo, mode="auto")
+        plan = cost.with_auto_routes(Plan(src, dst, topo, mode="auto"))
         assert set(plan.routes) == {"forward"}
         assert plan.paths == Plan(src, dst, topo, mode="reshard").paths
         assert sorted(plan.pieces()) == sorted(Plan(src, dst, topo, mode="reshard").pieces())
@@ -103,7 +104,7 @@ def test_small_pairs_mix_routes(tmp_path):
     seen = set()
     for name, rpd, links in MIXED:
         src, dst = load_pair(*write_pair(tmp_path, name))
-        plan = Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode="auto")
+        plan = cost.with_auto_routes(Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode="auto"))
         seen |= set(plan.routes)
         pred = cost.predict(plan)
         assert pred.modes["auto"].seconds <= min(pred.modes["reshard"].seconds, pred.modes["broadcast"].seconds)
@@ -113,14 +114,15 @@ def test_small_pairs_mix_routes(tmp_path):
 @pytest.mark.parametrize("name,rpd,links", MIXED, ids=[m[0] for m in MIXED])
 def test_rank_view_is_the_global_plan_restricted(tmp_path, name, rpd, links):
     src, dst = load_pair(*write_pair(tmp_path, name))
-    plan = Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode="auto")
+    plan = cost.with_auto_routes(Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode="auto"))
     check_coverage(plan)  # every destination element exactly once, on whichever route its tensor takes
     pieces = list(plan.pieces())
     bcasts = [b for b in plan.bcasts() if b.root >= 0]
     assert {p.tensor for p in pieces} | {b.tensor for b in bcasts} <= set(range(len(src.manifest.tensors)))
     for r in src.ranks + dst.ranks:
         # a fresh plan per rank, as each process of `reshard run` builds its own
-        view = Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode="auto").rank_view(r)
+        topo = Topology(name="t", ranks_per_domain=rpd, links=links)
+        view = cost.with_auto_routes(Plan(src, dst, topo, mode="auto")).rank_view(r)
         assert sorted(view.pieces) == sorted(p for p in pieces if r in (p.src, p.dst)), r
         assert view.bcasts == [b for b in bcasts if r in dst.ranks or r == b.root or any(s == r for s, _ in b.gather)]
     stats = plan.stats()
@@ -135,11 +137,13 @@ sys.path.insert(0, {tests!r})
 from conftest import write_pair
 from pathlib import Path
 from reshard_cli import Plan
-from reshard_cli.layouts.layout import load_pair
+from reshard_cli.plan import cost
+from reshard_cli.formats import load_pair
 from reshard_cli.layouts.topology import Topology
 src, dst = load_pair(*write_pair(Path({tmp!r}), {name!r}))
-plan = Plan(src, dst, Topology(name="t", ranks_per_domain={rpd}, links={links!r}), mode="auto")
-print(json.dumps([plan.class_routes(), [[p.tensor, p.src, p.dst, list(p.box.offsets), p.phase]
+plan = cost.with_auto_routes(Plan(src, dst, Topology(name="t", ranks_per_domain={rpd}, links={links!r}),
+                                  mode="auto"))
+print(json.dumps([plan.class_routes.routes, [[p.tensor, p.src, p.dst, list(p.box.offsets), p.phase]
                                          for p in plan.rank_view({rank}).pieces]]))
 """
 
@@ -163,8 +167,9 @@ def test_library_plan_auto(tmp_path):
     """`reshard_cli.Plan(mode="auto")` from library code, with a bundled topology name."""
     import reshard_cli
 
-    plan = reshard_cli.Plan.build(ROOT / "layouts/demo/train.yaml", ROOT / "layouts/demo/infer.yaml",
-                                  topology="dgx-h100", mode="auto")
+    plan = cost.with_auto_routes(reshard_cli.Plan.build(ROOT / "layouts/demo/train.yaml",
+                                                        ROOT / "layouts/demo/infer.yaml", topology="dgx-h100",
+                                                        mode="auto"))
     assert plan.mode == "auto" and len(plan.routes) == len(plan.src.manifest.tensors)
     assert set(plan.paths) <= {"reshard", "broadcast"}
     stats = plan.stats()
@@ -181,15 +186,15 @@ def test_model_loads_are_the_pieces(tmp_path, name, rpd, links, mode):
     import numpy as np
 
     src, dst = load_pair(*write_pair(tmp_path, name))
-    plan = Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode=mode)
+    plan = cost.with_auto_routes(Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode=mode))
     model = cost.model_for(plan, cost.links_of(plan.topology)[0])
-    model._saved.clear()  # sum the rows afresh
+    model.saved_loads.clear()  # sum the rows afresh
     per = model.reshard_loads(plan.routes)
-    item = plan.itemsizes()
-    dom = plan.domains
-    want = {k: (np.zeros(model.world), np.zeros(model.world)) for k in (cost.NET, cost.NVL0, cost.FWD)}
+    item = plan.classes.itemsizes()
+    dom = plan.classes.domains
+    want = {k: (np.zeros(model.world), np.zeros(model.world)) for k in (Traffic.NET, Traffic.NVL0, Traffic.FWD)}
     for p in plan.pieces():
-        kind = cost.FWD if p.phase else (cost.NET if dom[p.src] != dom[p.dst] else cost.NVL0)
+        kind = Traffic.FWD if p.phase else (Traffic.NET if dom[p.src] != dom[p.dst] else Traffic.NVL0)
         want[kind][0][p.src] += p.box.numel * item[p.tensor]
         want[kind][1][p.dst] += p.box.numel * item[p.tensor]
     for k, (sent, recv) in want.items():
@@ -205,7 +210,7 @@ def test_model_loads_are_the_pieces(tmp_path, name, rpd, links, mode):
                     bcast_send[s] = bcast_send.get(s, 0) + a.numel * item[b.tensor]
             bcast_send[b.root] = bcast_send.get(b.root, 0) + src.manifest.tensors[b.tensor].nbytes
     for r, v in net_send.items():
-        assert v - bcast_send.get(r, 0) == want[cost.NET][0][r], r
+        assert v - bcast_send.get(r, 0) == want[Traffic.NET][0][r], r
 
 
 def _refit_auto(rank, world, src_path, dst_path, rpd, links, bucket_bytes):
@@ -218,7 +223,7 @@ def _refit_auto(rank, world, src_path, dst_path, rpd, links, bucket_bytes):
 
     src, dst = load_pair(src_path, dst_path)
     ref = reference(src.manifest)
-    plan = Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode="auto")
+    plan = cost.with_auto_routes(Plan(src, dst, Topology(name="t", ranks_per_domain=rpd, links=links), mode="auto"))
     src_shards, dst_shards = local_shards(src, dst, rank, ref)
     engine = Engine(plan, rank, src_shards, dst_shards, options=TransferOptions(bucket_bytes=bucket_bytes))
     engine.setup_groups()

@@ -9,8 +9,9 @@ import pytest
 
 from conftest import ROOT
 from reshard_cli.plan import cost
-from reshard_cli.layouts.layout import load_pair
+from reshard_cli.formats import load_pair
 from reshard_cli.plan.planner import MODES, Plan
+from reshard_cli.plan.terms import Traffic
 from reshard_cli.layouts.topology import Topology, load_topology
 
 MiB = 1 << 20
@@ -102,12 +103,12 @@ def test_rank_bytes_agree_with_the_plan(qwen30):
     src, dst = qwen30
     plan = Plan(src, dst, load_topology(ROOT / TOPOLOGIES[0]), mode="reshard")
     st = plan.stats()
-    model = cost._Model(plan, cost.links_of(plan.topology)[0], cost.DEFAULT_BUCKET_BYTES)
+    model = cost._Model(plan.classes, cost.links_of(plan.topology)[0], cost.DEFAULT_BUCKET_BYTES)
     per = model.reshard_loads(plan.routes)
     for r, v in st["rank_bytes"].items():
-        assert (per[cost.NET][0][r], per[cost.NET][1][r]) == (v["send"], v["recv"]), r
-    assert per[cost.NET][1].sum() == st["wire_bytes"] == st["min_wire_bytes"]
-    assert per[cost.NVL0][1].sum() + per[cost.FWD][1].sum() == st["indomain_bytes"]
+        assert (per[Traffic.NET][0][r], per[Traffic.NET][1][r]) == (v["send"], v["recv"]), r
+    assert per[Traffic.NET][1].sum() == st["wire_bytes"] == st["min_wire_bytes"]
+    assert per[Traffic.NVL0][1].sum() + per[Traffic.FWD][1].sum() == st["indomain_bytes"]
 
 
 def test_more_bandwidth_less_time(qwen30):

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from conftest import PAIRS, ROOT, write_pair
-from reshard_cli.layouts.layout import load_pair
+from reshard_cli.formats import load_pair
+from reshard_cli.plan import cost
 from reshard_cli.plan.planner import Plan
 from reshard_cli.layouts.topology import Topology
 
@@ -42,7 +43,7 @@ def check_coverage(plan: Plan):
 @pytest.mark.parametrize("mode", ["reshard", "auto"])
 def test_pieces_cover_exactly(tmp_path, pair, topo, mode):
     src, dst = load_pair(*write_pair(tmp_path, pair))
-    plan = Plan(src, dst, topo, mode=mode)
+    plan = cost.with_auto_routes(Plan(src, dst, topo, mode=mode))
     check_coverage(plan)
     stats = plan.stats()
     if mode == "reshard" or not topo.links:  # auto without link figures is reshard (forward everywhere)
@@ -51,7 +52,7 @@ def test_pieces_cover_exactly(tmp_path, pair, topo, mode):
     everything = list(plan.pieces())
     bcasts = [b for b in plan.bcasts() if b.root >= 0]
     for r in src.ranks + dst.ranks:
-        view = Plan(src, dst, topo, mode=mode).rank_view(r)
+        view = cost.with_auto_routes(Plan(src, dst, topo, mode=mode)).rank_view(r)
         assert sorted(view.pieces) == sorted(p for p in everything if r in (p.src, p.dst))
         assert view.bcasts == [b for b in bcasts if r in dst.ranks or r == b.root or any(s == r for s, _ in b.gather)]
 
@@ -187,6 +188,6 @@ def test_layouts_listing_tensors_in_other_orders_pair_by_name(tmp_path):
     x = [p for p in plan.pieces() if p.tensor == 0]
     assert {p.box.sizes for p in x} == {(2, 3)}  # rows of x (src) meet columns of x (dst), not y
     from reshard_cli.errors import ConfigError
-    from reshard_cli.layouts.layout import load_layout
+    from reshard_cli.formats import load_layout
     with pytest.raises(ConfigError, match="different orders"):
         Plan(src, load_layout(tmp_path / "dst.yaml", first_rank=2))

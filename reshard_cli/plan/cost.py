@@ -1,11 +1,11 @@
 """Predicted refit time: a plan's bytes over a topology's link figures, beside the network lower bound.
 
-Inputs: a `Plan` (any mode: the figures of every mode are computed from the same layouts and tensor classes)
+Inputs: a `Plan` (any mode: the figures of every mode are computed from its tensor classes, `TensorClasses`)
 and the topology's `links:` — `network_gbps` (GB/s per rank per direction across domains), `nvlink_gbps`
 (GB/s per rank per direction inside a domain), `latency_us` (per message). Nothing here touches
 torch.distributed; `reshard plan --topology FILE` prints it.
 
-The model, path by path, as `transport.py` runs it:
+The model, path by path, as the engine (`reshard_cli/transfer/engine.py`) runs it:
 
 * **reshard path** — phase 0 moves pieces from source ranks: those crossing a domain boundary go over the
   network, those whose source replica shares the destination's domain go over NVLink, at the same time.
@@ -27,11 +27,14 @@ The model, path by path, as `transport.py` runs it:
   fewest group members in any domain it crosses) — a trainer root alone in its node broadcasts through its
   one NIC. The ring costs pack bytes / that bandwidth + (group size − 1) × latency (one message per hop to
   fill the pipeline). Pipelined: a pack's gather overlaps the previous pack's broadcast.
-* The reshard path runs first, then the broadcast path (`run.py`): paths add in both figures.
+* The reshard path runs first, then the broadcast path (`reshard_cli/transfer/run.py`): paths add in both
+  figures.
 * A tensor on the reshard path goes with forwarding (phase 0 + phase 1 as above) or **direct** (every
   destination replica receives its whole box in phase 0: no forwards, more network bytes).
 
-**Mode auto** (`choose_routes`, `_Model.choose`): each tensor class takes the route — forward, direct or
+**Mode auto** (`auto_routes`, `_RouteSearch`): the cost model is auto's route chooser. It weighs a plan's
+classes and hands the plan their routes (`with_auto_routes(plan)`; the plan only follows them). Each tensor
+class takes the route — forward, direct or
 broadcast — under which this model predicts the whole refit fastest. It starts from forward everywhere (mode
 reshard) and visits the classes in a fixed order, moving a class to another route only where the predicted
 refit gets strictly faster, until a pass changes nothing; broadcast everywhere replaces the result if it is
@@ -48,6 +51,9 @@ domain) through its ranks' NICs (job ranks in the domain × network_gbps); every
 least once, the bytes only it holds that another domain needs, through its NICs; and the bytes that must
 leave some source domain must pass the source domains' NICs together. The bound is the largest of these.
 
+The model of a plan's classes under some links and bucket size is made once and kept with the classes
+(`TensorClasses.memo`), so auto's choice and the predictions share its tables.
+
 `with_measured_links(topology, ...)` puts measured bandwidths (e.g. a gloo run's link figures on CPU) in a
 topology's links, so the same model predicts a run from measurements.
 """
@@ -57,18 +63,18 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
-from reshard_cli.plan.planner import FWD, MODES, NET, NVL0, ROUTES, Plan, no_gc
-from reshard_cli.plan.schedule import PackFiller, TransferOptions, align
+from reshard_cli.base.text import fmt_bytes
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology
+from reshard_cli.plan.planner import Plan, TensorClasses
+from reshard_cli.plan.schedule import PackFiller, TransferOptions, align
+from reshard_cli.plan.terms import MODES, ROUTES, ClassRoutes, Route, Traffic, no_gc
 
 DEFAULT_BUCKET_BYTES = TransferOptions().bucket_bytes  # `reshard run --bucket-mb 64`
 GB = 1e9
 
-
-
-_ROUTE_CODE = {"forward": 0, "direct": 1, "broadcast": 2}
+_ROUTE_CODE = {r: i for i, r in enumerate(Route)}  # a route as a small integer, for numpy
 
 
 @dataclass(frozen=True)
@@ -190,99 +196,121 @@ class Prediction:
 
 
 # the per-entry columns of a class (`planner.Columns`) that `_Table` concatenates over classes
-_CONCAT = ("fsrc", "fdst", "fn", "fkind", "rsid", "rdst", "rn", "rkey", "rkind", "senders")
+_CONCAT = ("fixed_src", "fixed_dst", "fixed_numel", "fixed_kind", "rotating_sid", "rotating_dst", "rotating_numel",
+           "rotating_key", "rotating_kind", "senders")
 
 
 class _Table:
     """The entries of some tensor classes (with forwarding, or direct) as flat arrays: what the model sums.
 
-    Per class position `pos`: fixed rows (one possible sender) fs[pos] .. fs[pos] + fc[pos], rotating rows
-    rs[pos] .. rs[pos] + rc[pos]. A fixed row is a pair key (kind * world + sender) * world + receiver and its
-    elements; a rotating row is (kind * world * world + receiver, its senders' row in `stab`, its rotation key,
-    the number of senders L, its elements): tensor t's copy goes from stab[sid, (t + key) % L]. A phase-0
-    entry's senders are all inside the receiver's domain or all outside it, so its kind (network or NVLink)
-    does not depend on which one sends.
+    Per class position `pos`: fixed rows (one possible sender) fixed_start[pos] .. + fixed_count[pos], rotating
+    rows rot_start[pos] .. + rot_count[pos], forward rows fwd_start[pos] .. + fwd_count[pos]. A fixed or forward
+    row is a pair key (kind * world + sender) * world + receiver and its elements; a rotating row is its pair key
+    without the sender (kind * world * world + receiver), its senders' row in `sender_table`, its rotation key,
+    its number of senders L and its elements: tensor t's copy goes from sender_table[row, (t + key) % L]. A
+    phase-0 entry's senders are all inside the receiver's domain or all outside it, so its kind (network or
+    NVLink) does not depend on which one sends.
     """
 
     def __init__(self, classes: list, direct: bool, world: int):
         np = _np()
-        w, ww = world, world * world
         cat: dict[str, list] = {f: [] for f in _CONCAT}  # every class's columns, one after another
-        fsrc, rsid, senders = cat["fsrc"], cat["rsid"], cat["senders"]
-        fs, fc, rs, rc, sbase = [], [], [], [], []
-        by_k: dict[int, tuple] = {}  # forward blocks by domain size k: (class positions, G rows, m rows)
+        fixed_start, fixed_count, rot_start, rot_count, senders_base = [], [], [], [], []
+        blocks_by_k: dict[int, tuple] = {}  # forward blocks by domain size k: (class positions, G rows, m rows)
         for pos, c in enumerate(classes):
             col = c.columns(direct)
-            for g, ms in col.blocks:
-                acc = by_k.get(len(g))
+            for group, parts in col.blocks:
+                acc = blocks_by_k.get(len(group))
                 if acc is None:
-                    acc = by_k[len(g)] = ([], [], [])
+                    acc = blocks_by_k[len(group)] = ([], [], [])
                 acc[0].append(pos)
-                acc[1].append(g)
-                acc[2].append(ms)
-            fs.append(len(fsrc))
-            rs.append(len(rsid))
-            sbase.append(len(senders))
-            fc.append(len(col.fsrc))
-            rc.append(len(col.rsid))
+                acc[1].append(group)
+                acc[2].append(parts)
+            fixed_start.append(len(cat["fixed_src"]))
+            rot_start.append(len(cat["rotating_sid"]))
+            senders_base.append(len(cat["senders"]))
+            fixed_count.append(len(col.fixed_src))
+            rot_count.append(len(col.rotating_sid))
             for f, xs in cat.items():
                 xs += getattr(col, f)
         i64, f64 = np.int64, np.float64
-        self.fs, self.fc, self.rs, self.rc = (np.array(x, dtype=i64) for x in (fs, fc, rs, rc))
-        self.fk = (np.array(cat["fkind"], dtype=i64) * ww + np.array(fsrc, dtype=i64) * w
-                   + np.array(cat["fdst"], dtype=i64))
-        self.fn = np.array(cat["fn"], dtype=f64)
-        self.rb = np.array(cat["rkind"], dtype=i64) * ww + np.array(cat["rdst"], dtype=i64)
-        # a rotating row's senders: its class's first senders row + its position among the class's
-        self.rsid = np.array(rsid, dtype=i64) + np.repeat(np.array(sbase, dtype=i64), self.rc)
-        self.rkey = np.array(cat["rkey"], dtype=i64)
-        self.rn = np.array(cat["rn"], dtype=f64)
-        lens = np.array([len(x) for x in senders] or [1], dtype=i64)
-        stab = np.zeros((max(len(senders), 1), int(lens.max())), dtype=i64)
-        for j, x in enumerate(senders):
-            stab[j, :len(x)] = x
-        self.stab = stab
-        self.rl = lens[self.rsid] if len(self.rsid) else np.zeros(0, dtype=i64)
         self.world = world
-        # forwards: G[j] -> G[g] (g != j) carries m_j, expanded per block and kept by class position
-        keys, vals, owner = [np.zeros(0, dtype=i64)], [np.zeros(0, dtype=f64)], [np.zeros(0, dtype=i64)]
-        for k, (cpos, gs, mss) in by_k.items():
-            g = np.array(gs, dtype=i64)  # blocks x k
-            m = np.array(mss, dtype=f64)
-            kk = FWD * ww + g[:, :, None] * w + g[:, None, :]  # blocks x j x g
-            vv = np.broadcast_to(m[:, :, None], kk.shape)
-            keep = (~np.eye(k, dtype=bool))[None, :, :] & (vv > 0)
-            keys.append(kk[keep])
-            vals.append(vv[keep])
-            owner.append(np.repeat(np.array(cpos, dtype=i64), keep.reshape(len(gs), -1).sum(axis=1)))
-        owner_a = np.concatenate(owner)
-        order = np.argsort(owner_a, kind="stable")
-        self.bk, self.bn = np.concatenate(keys)[order], np.concatenate(vals)[order]
-        bcount = np.bincount(owner_a, minlength=len(classes)).astype(i64)
-        self.bc = bcount
-        self.bs = np.cumsum(bcount) - bcount
+        self.fixed_start, self.fixed_count, self.rot_start, self.rot_count = (
+            np.array(x, dtype=i64) for x in (fixed_start, fixed_count, rot_start, rot_count))
+        self.fixed_pair = _pair_key(np.array(cat["fixed_kind"], dtype=i64), np.array(cat["fixed_src"], dtype=i64),
+                                    np.array(cat["fixed_dst"], dtype=i64), world)
+        self.fixed_numel = np.array(cat["fixed_numel"], dtype=f64)
+        self.rot_pair = _pair_key(np.array(cat["rotating_kind"], dtype=i64), 0,
+                                  np.array(cat["rotating_dst"], dtype=i64), world)
+        # a rotating row's senders: its class's first senders row + its position among the class's
+        self.rot_senders_row = (np.array(cat["rotating_sid"], dtype=i64)
+                                + np.repeat(np.array(senders_base, dtype=i64), self.rot_count))
+        self.rot_key = np.array(cat["rotating_key"], dtype=i64)
+        self.rot_numel = np.array(cat["rotating_numel"], dtype=f64)
+        self.sender_table, nsenders = _sender_table(cat["senders"])
+        self.rot_nsenders = nsenders[self.rot_senders_row] if len(self.rot_senders_row) else np.zeros(0, dtype=i64)
+        self.fwd_pair, self.fwd_numel, self.fwd_start, self.fwd_count = _forward_rows(blocks_by_k, len(classes),
+                                                                                     world)
 
-    def rows(self, pos, gid, total, rpos, rgid, res, wts) -> tuple:
+    def rows(self, pos, gid, total, rpos, rgid, residue, weights) -> tuple:
         """Pair keys, bytes and group id of every row of some tensors: per (class position `pos`, group `gid`),
-        `total` Σ item bytes of its tensors (for the fixed rows); per (class position `rpos`, group `rgid`,
-        rotation residue `res`), `wts` Σ item bytes of its tensors at that residue (for the rotating rows)."""
+        `total` Σ item bytes of its tensors (for the fixed and forward rows); per (class position `rpos`, group
+        `rgid`, rotation residue `residue`), `weights` Σ item bytes of its tensors at that residue (for the
+        rotating rows)."""
         np = _np()
         keys, vals, gids = [], [], []
-        for start, count, k, n in ((self.fs, self.fc, self.fk, self.fn), (self.bs, self.bc, self.bk, self.bn)):
+        for start, count, pair, numel in ((self.fixed_start, self.fixed_count, self.fixed_pair, self.fixed_numel),
+                                          (self.fwd_start, self.fwd_count, self.fwd_pair, self.fwd_numel)):
             cnt = count[pos]
             idx = _ranges(start[pos], cnt)
-            keys.append(k[idx])
-            vals.append(n[idx] * np.repeat(total, cnt))
+            keys.append(pair[idx])
+            vals.append(numel[idx] * np.repeat(total, cnt))
             gids.append(np.repeat(gid, cnt))
-        cnt = self.rc[rpos]
+        cnt = self.rot_count[rpos]
         if cnt.sum():
-            idx = _ranges(self.rs[rpos], cnt)
-            pick = (np.repeat(res, cnt) + self.rkey[idx]) % self.rl[idx]
-            sender = self.stab[self.rsid[idx], pick]
-            keys.append(self.rb[idx] + sender * self.world)
-            vals.append(self.rn[idx] * np.repeat(wts, cnt))
+            idx = _ranges(self.rot_start[rpos], cnt)
+            pick = (np.repeat(residue, cnt) + self.rot_key[idx]) % self.rot_nsenders[idx]
+            sender = self.sender_table[self.rot_senders_row[idx], pick]
+            keys.append(self.rot_pair[idx] + sender * self.world)
+            vals.append(self.rot_numel[idx] * np.repeat(weights, cnt))
             gids.append(np.repeat(rgid, cnt))
         return np.concatenate(keys), np.concatenate(vals), np.concatenate(gids)
+
+
+def _pair_key(kind, sender, receiver, world: int):
+    """(kind * world + sender) * world + receiver: one (kind, sender, receiver) as one integer."""
+    return (kind * world + sender) * world + receiver
+
+
+def _sender_table(senders: list) -> tuple:
+    """(the sender tuples as rows of a zero-padded array, each row's length)."""
+    np = _np()
+    lens = np.array([len(x) for x in senders] or [1], dtype=np.int64)
+    table = np.zeros((max(len(senders), 1), int(lens.max())), dtype=np.int64)
+    for j, x in enumerate(senders):
+        table[j, :len(x)] = x
+    return table, lens
+
+
+def _forward_rows(blocks_by_k: dict, nclasses: int, world: int) -> tuple:
+    """The forwards of some blocks (see `planner.Columns`): G[j] -> G[g] (g != j) carries m_j, expanded per block
+    and sorted by class position: (pair keys, elements, first row per class, rows per class)."""
+    np = _np()
+    i64, f64 = np.int64, np.float64
+    keys, vals, owner = [np.zeros(0, dtype=i64)], [np.zeros(0, dtype=f64)], [np.zeros(0, dtype=i64)]
+    for k, (positions, groups, parts) in blocks_by_k.items():
+        group = np.array(groups, dtype=i64)  # blocks x k
+        numel = np.array(parts, dtype=f64)
+        pair = _pair_key(int(Traffic.FWD), group[:, :, None], group[:, None, :], world)  # blocks x j x g
+        elems = np.broadcast_to(numel[:, :, None], pair.shape)
+        keep = (~np.eye(k, dtype=bool))[None, :, :] & (elems > 0)
+        keys.append(pair[keep])
+        vals.append(elems[keep])
+        owner.append(np.repeat(np.array(positions, dtype=i64), keep.reshape(len(groups), -1).sum(axis=1)))
+    owners = np.concatenate(owner)
+    order = np.argsort(owners, kind="stable")
+    count = np.bincount(owners, minlength=nclasses).astype(i64)
+    return np.concatenate(keys)[order], np.concatenate(vals)[order], np.cumsum(count) - count, count
 
 
 def _ranges(starts, counts):
@@ -296,35 +324,37 @@ def _ranges(starts, counts):
 
 
 class _Model:
-    """Per-class figures, shared by every mode (the geometry does not depend on the mode)."""
+    """Per-class figures of some `TensorClasses` under some links, shared by every mode (the geometry does not
+    depend on the mode)."""
 
-    def __init__(self, plan: Plan, links: Links, bucket_bytes: int):
-        self.plan = plan
+    def __init__(self, classes: TensorClasses, links: Links, bucket_bytes: int):
         self.links = links
         self.half = TransferOptions(bucket_bytes=bucket_bytes).half
-        self.dom = plan.domains
-        self.items = plan.itemsizes()
-        # tensor -> class index; per class: the class, its reshard period n, broadcast period bn, numel
-        self.cls, self.cid = plan.class_index()
-        self._n_of: list | None = None
-        self.bn_of = [c.bn for c in self.cls]
+        self.dom = classes.domains
+        self.src_ranks, self.dst_ranks = classes.src.ranks, classes.dst.ranks
+        self.nbytes = classes.src.manifest.nbytes
+        self.items = classes.itemsizes()
+        # per tensor its class's index; per class: the class, its broadcast period and its elements
+        self.cls, self.cid = classes.index()
+        self.bcast_period_of = [c.bn for c in self.cls]
         self.numel_of = [c.numel if c.src_boxes else 0 for c in self.cls]
-        self.world = max(max(plan.src.ranks), max(plan.dst.ranks)) + 1
+        self.world = max(max(classes.src.ranks), max(classes.dst.ranks)) + 1
+        self._period_of: list | None = None
         self._tables: dict[bool, tuple] = {}
         self._gather: dict = {}
         self._ring: dict = {}
         self._by_class: list | None = None
-        self._cache_arrays: tuple | None = None
-        self.choice: RouteChoice | None = None  # auto's, once chosen
-        self._saved: dict[tuple, tuple] = {}  # per-class routes -> per (kind, rank) loads (`choose`)
+        self._tensor_arrays: tuple | None = None
+        self._choice: RouteChoice | None = None
+        self.saved_loads: dict[tuple, tuple] = {}  # per-tensor routes -> per (kind, rank) loads (`_RouteSearch`)
 
     @property
-    def n_of(self) -> list[int]:
+    def period_of(self) -> list[int]:
         """Each class's rotation period."""
-        if self._n_of is None:
+        if self._period_of is None:
             self.table(False)  # walks every class's geometry on the way
-            self._n_of = [c.n for c in self.cls]
-        return self._n_of
+            self._period_of = [c.n for c in self.cls]
+        return self._period_of
 
     # ---- reshard path
     def table(self, direct: bool) -> tuple:
@@ -340,15 +370,17 @@ class _Model:
         return out
 
     def _arrays(self) -> tuple:
-        """Per tensor: class index, item size, rotation residue; per class: whether direct differs."""
-        out = self._cache_arrays
+        """Per tensor: class index, item size, rotation residue; per class: whether direct differs; the largest
+        rotation period."""
+        out = self._tensor_arrays
         if out is None:
             np = _np()
-            cid = np.array(self.cid, dtype=np.int64)
-            n = np.array(self.n_of, dtype=np.int64)
-            res = np.arange(len(cid), dtype=np.int64) % n[cid] if len(cid) else cid
+            class_of = np.array(self.cid, dtype=np.int64)
+            period = np.array(self.period_of, dtype=np.int64)
+            residue = np.arange(len(class_of), dtype=np.int64) % period[class_of] if len(class_of) else class_of
             splits = np.array([c.splits for c in self.cls], dtype=bool)
-            out = self._cache_arrays = (cid, np.array(self.items, dtype=np.float64), res, splits, int(n.max(initial=1)))
+            out = self._tensor_arrays = (class_of, np.array(self.items, dtype=np.float64), residue, splits,
+                                         int(period.max(initial=1)))
         return out
 
     def _rows(self, sel, direct, grouped: bool) -> tuple | None:
@@ -356,25 +388,26 @@ class _Model:
         `direct` (a bool per tensor; classes where direct makes no difference use forwarding's rows). With
         `grouped`, a row's group id is its class index * 2 + direct, else 0."""
         np = _np()
-        cid, item, res, splits, rmax = self._arrays()
+        class_of, item, residue, splits, period_max = self._arrays()
         if not len(sel):
             return None
-        c = cid[sel]
-        job = c * 2 + (direct & splits[c])
-        u, inv = np.unique(job * rmax + res[sel], return_inverse=True)
-        w = np.bincount(inv.ravel(), weights=item[sel], minlength=len(u))  # Σ item per (job, residue)
-        ujob, rr = u // rmax, u % rmax
-        jobs, invj = np.unique(ujob, return_inverse=True)
-        tot = np.bincount(invj.ravel(), weights=w, minlength=len(jobs))  # Σ item per job
+        cls = class_of[sel]
+        job = cls * 2 + (direct & splits[cls])
+        uniq, inv = np.unique(job * period_max + residue[sel], return_inverse=True)
+        weights = np.bincount(inv.ravel(), weights=item[sel], minlength=len(uniq))  # Σ item per (job, residue)
+        uniq_job, uniq_residue = uniq // period_max, uniq % period_max
+        jobs, inv_job = np.unique(uniq_job, return_inverse=True)
+        totals = np.bincount(inv_job.ravel(), weights=weights, minlength=len(jobs))  # Σ item per job
         keys, vals, gids = [], [], []
         for d in (0, 1):
-            mj, mr = jobs % 2 == d, ujob % 2 == d
-            if not mj.any():
+            job_d, res_d = jobs % 2 == d, uniq_job % 2 == d
+            if not job_d.any():
                 continue
             table, pos = self.table(bool(d))
-            gj = jobs[mj] if grouped else np.zeros(int(mj.sum()), dtype=np.int64)
-            gr = ujob[mr] if grouped else np.zeros(int(mr.sum()), dtype=np.int64)
-            k, v, g = table.rows(pos[jobs[mj] // 2], gj, tot[mj], pos[ujob[mr] // 2], gr, rr[mr], w[mr])
+            gid = jobs[job_d] if grouped else np.zeros(int(job_d.sum()), dtype=np.int64)
+            rgid = uniq_job[res_d] if grouped else np.zeros(int(res_d.sum()), dtype=np.int64)
+            k, v, g = table.rows(pos[jobs[job_d] // 2], gid, totals[job_d], pos[uniq_job[res_d] // 2], rgid,
+                                 uniq_residue[res_d], weights[res_d])
             keys.append(k)
             vals.append(v)
             gids.append(g)
@@ -384,11 +417,11 @@ class _Model:
         """(indices of the reshard-path tensors, their direct flags) of per-tensor routes."""
         np = _np()
         code = np.array([_ROUTE_CODE[r] for r in routes], dtype=np.int8)
-        sel = np.flatnonzero(code != 2)
-        return sel, code[sel] == 1
+        sel = np.flatnonzero(code != _ROUTE_CODE[Route.BROADCAST])
+        return sel, code[sel] == _ROUTE_CODE[Route.DIRECT]
 
     def reshard_loads(self, routes: tuple) -> dict | None:
-        """Per kind (NET, NVL0, FWD): arrays over ranks of (bytes sent, bytes received, messages sent, messages
+        """Per kind (`Traffic`): arrays over ranks of (bytes sent, bytes received, messages sent, messages
         received) of the reshard-path tensors of per-tensor `routes`."""
         np = _np()
         w = self.world
@@ -396,27 +429,29 @@ class _Model:
         rows = self._rows(sel, direct, False)
         if rows is None or not len(rows[0]):
             return None
-        uk, inv = np.unique(rows[0], return_inverse=True)
-        nbytes = np.bincount(inv.ravel(), weights=rows[1], minlength=len(uk))
+        pairs, inv = np.unique(rows[0], return_inverse=True)
+        nbytes = np.bincount(inv.ravel(), weights=rows[1], minlength=len(pairs))
         msgs = np.ceil(nbytes / self.half)
-        kind = uk // (w * w)
-        snd = (uk // w) % w
-        rcv = uk % w
+        kind = pairs // (w * w)
+        sender = (pairs // w) % w
+        receiver = pairs % w
         per = {}
-        for kd in (NET, NVL0, FWD):
+        for kd in Traffic:
             m = kind == kd
-            per[kd] = (np.bincount(snd[m], nbytes[m], minlength=w), np.bincount(rcv[m], nbytes[m], minlength=w),
-                       np.bincount(snd[m], msgs[m], minlength=w), np.bincount(rcv[m], msgs[m], minlength=w))
+            per[kd] = (np.bincount(sender[m], nbytes[m], minlength=w),
+                       np.bincount(receiver[m], nbytes[m], minlength=w),
+                       np.bincount(sender[m], msgs[m], minlength=w), np.bincount(receiver[m], msgs[m], minlength=w))
         return per
 
     def reshard_path(self, routes: tuple) -> dict:
         """Busiest-rank (seconds, rank, bytes, messages) of each kind of reshard traffic, and of all NVLink
-        traffic together ("nvl_all"), of per-tensor `routes` (the loads `choose` summed are reused)."""
+        traffic together ("nvl_all"), of per-tensor `routes` (the loads auto's search summed are reused)."""
         lk = self.links
-        saved = self._saved.get(routes) if self._saved else None
+        NET, NVL0, FWD = Traffic
+        saved = self.saved_loads.get(routes) if self.saved_loads else None
         if saved is not None:
             w = self.world
-            per = {k: tuple(a[k * w:(k + 1) * w] for a in saved) for k in (NET, NVL0, FWD)}
+            per = {k: tuple(a[k * w:(k + 1) * w] for a in saved) for k in Traffic}
         else:
             per = self.reshard_loads(routes)
         if per is None:
@@ -431,7 +466,7 @@ class _Model:
     # ---- broadcast path
     def gather_cost(self, i: int, t: int) -> tuple[int, float, int]:
         """(root, seconds per byte of item size, messages) of the gather of tensor t (class index i)."""
-        key = (i, t % self.bn_of[i])
+        key = (i, t % self.bcast_period_of[i])
         out = self._gather.get(key)
         if out is None:
             bc = self.cls[i].bcast(t)
@@ -446,7 +481,7 @@ class _Model:
         """(bandwidth in bytes/s, group size) of the broadcast ring from `root` to the destination group."""
         out = self._ring.get(root)
         if out is None:
-            group = {root, *self.plan.dst.ranks}
+            group = {root, *self.dst_ranks}
             per_dom: dict[int, int] = defaultdict(int)
             for r in group:
                 per_dom[self.dom[r]] += 1
@@ -459,7 +494,7 @@ class _Model:
         """Packs as the transport builds them; gather then ring per pack, one pack after another."""
         lk = self.links
         gather_s = 0.0
-        gather_m = 0
+        gather_msgs = 0
         filler = PackFiller(self.half)  # the transport's packing rule
         packs: dict[int, list] = {}  # root -> [packs, bytes]
         cid, items, numel_of = self.cid, self.items, self.numel_of
@@ -471,8 +506,8 @@ class _Model:
             root, per_item, msgs = self.gather_cost(i, t)
             item = items[t]
             gather_s += per_item * item
-            gather_m += msgs
-            _pack, off, new = filler.add(root, numel * item)
+            gather_msgs += msgs
+            _pack, _off, new = filler.add(root, numel * item)
             acc = packs.setdefault(root, [0, 0])
             acc[0] += new
             acc[1] += align(numel * item)
@@ -485,14 +520,20 @@ class _Model:
             slowest = min(slowest, bw)
             hops = max(hops, size - 1)
         n = sum(c for c, _ in packs.values())
-        return {"gather_s": gather_s + gather_m * lk.lat, "ring_s": ring_bw_s + ring_lat_s,
+        return {"gather_s": gather_s + gather_msgs * lk.lat, "ring_s": ring_bw_s + ring_lat_s,
                 "ring_latency_s": ring_lat_s, "packs": n, "ring_gbps": (slowest / GB) if n else 0.0,
                 "ring_hops": hops}
 
+    def broadcast_seconds(self, tensors: list[int]) -> float:
+        """The sequential figure of the broadcast path of `tensors`: gathers, then rings."""
+        bp = self.broadcast_path(tensors)
+        return bp["gather_s"] + bp["ring_s"]
+
     # ---- one mode
     def mode_cost(self, mode: str, routes: tuple) -> ModeCost:
-        """The predicted figures of per-tensor `routes` ("forward", "direct", "broadcast")."""
-        bcast_tensors = [t for t, r in enumerate(routes) if r == "broadcast"]
+        """The predicted figures of per-tensor `routes` (`Route`s)."""
+        NET, NVL0, FWD = Traffic
+        bcast_tensors = [t for t, r in enumerate(routes) if r == Route.BROADCAST]
         rp = self.reshard_path(routes)
         bp = self.broadcast_path(bcast_tensors)
         net_s, nvl0_s, fwd_s = rp[NET][0], rp[NVL0][0], rp[FWD][0]
@@ -516,255 +557,362 @@ class _Model:
             self._by_class = out
         return self._by_class
 
-    def choose(self) -> "RouteChoice":
-        """Auto's routes: start from forward everywhere (mode reshard) and, class by class in a fixed order,
-        move a class to another route (direct, broadcast, or back) where this model predicts the whole refit
-        strictly faster with it; repeat until a pass changes nothing (at most 4 passes). Finally, broadcast
-        everywhere wins if it is predicted faster still. So auto is never predicted slower than reshard or
-        broadcast.
+    def choice(self) -> RouteChoice:
+        """Auto's routes under these links (`_RouteSearch`), chosen once."""
+        if self._choice is None:
+            self._choice = _RouteSearch(self).run()
+        return self._choice
 
-        Every figure compared is built from sums of whole bytes (exact in float64, whatever their order) and the
-        same per-rank formula as `mode_cost`, so every rank computes the same figures and the same choice;
-        ties keep the current route, and among new routes go to the first of forward, direct, broadcast.
-        A class is tried on broadcast only when it touches a busiest rank of a phase that sets the time
-        (moving it elsewhere cannot shorten the reshard path otherwise)."""
+    def class_rows(self) -> _ClassRows:
+        """Every (class, variant)'s rows, summed over its tensors, as positions in one sorted universe of pairs;
+        the group id of (class i, direct d) is 2i + d."""
         np = _np()
         w = self.world
-        ww, w3 = w * w, 3 * w
-        lk = self.links
-        by_class = self.tensors_by_class()
-        ncls = len(self.cls)
-        items = self.items
-        # every (class, variant)'s rows, summed over its tensors, as positions in one sorted key universe;
-        # group id of (class i, direct d): 2i + d
-        cid, _item, _res, splits, _rmax = self._arrays()
-        split_t = np.flatnonzero(splits[cid])
-        sel = np.concatenate([np.arange(len(cid), dtype=np.int64), split_t])
-        direct = np.concatenate([np.zeros(len(cid), dtype=bool), np.ones(len(split_t), dtype=bool)])
-        ngid = 2 * ncls
+        ww = w * w
+        class_of, _item, _res, splits, _pmax = self._arrays()
+        split_tensors = np.flatnonzero(splits[class_of])
+        sel = np.concatenate([np.arange(len(class_of), dtype=np.int64), split_tensors])
+        direct = np.concatenate([np.zeros(len(class_of), dtype=bool), np.ones(len(split_tensors), dtype=bool)])
         rows = self._rows(sel, direct, True)
         if rows is None:
             rows = (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64))
         keys, vals, gids = rows
-        span = 3 * ww
-        uk, inv = np.unique(gids * span + keys, return_inverse=True)
-        row_bytes = np.bincount(inv.ravel(), weights=vals, minlength=len(uk))
-        row_gid = uk // span
-        universe, row_pos = np.unique(uk % span, return_inverse=True)
-        row_pos = row_pos.ravel()
-        bounds = np.searchsorted(row_gid, np.arange(ngid + 1))
-        ks = (universe // ww) * w + (universe // w) % w  # (kind, sender) of each pair, flat
-        kr = (universe // ww) * w + universe % w  # (kind, receiver)
-        bwv = np.repeat(np.array([lk.net, lk.nvl, lk.nvl]), w)
-
-        def seg(i: int, route: str) -> tuple:
-            g = 2 * i + (route == "direct" and self.cls[i].splits)
-            return row_pos[bounds[g]:bounds[g + 1]], row_bytes[bounds[g]:bounds[g + 1]]
-
-        def loads(pb) -> tuple:
-            m = np.ceil(pb / self.half)
-            return (np.bincount(ks, weights=pb, minlength=w3), np.bincount(kr, weights=pb, minlength=w3),
-                    np.bincount(ks, weights=m, minlength=w3), np.bincount(kr, weights=m, minlength=w3))
-
-        def per_kind(ld) -> tuple:
-            t = np.maximum(ld[0], ld[1]) / bwv + np.maximum(ld[2], ld[3]) * lk.lat
-            return t, [float(x) for x in t.reshape(3, w).max(axis=1)]
-
-        def reshard_s(mx) -> float:
-            return max(mx[NET], mx[NVL0]) + mx[FWD]  # as mode_cost: max(network, phase-0 NVLink) + forwards
-
-        def bcast_s(tensors: list) -> float:
-            bp = self.broadcast_path(tensors)
-            return bp["gather_s"] + bp["ring_s"]
-
-        mask = row_gid % 2 == 0
-        pb = np.bincount(row_pos[mask], weights=row_bytes[mask], minlength=len(universe))
-        ld = loads(pb)
-        self._saved[("forward",) * len(items)] = ld  # mode reshard's loads: mode_cost need not sum them again
-        t_rank, mx = per_kind(ld)
-        bset: list[int] = []
-        b_s = bcast_s(bset)
-        total = reshard_s(mx) + b_s
-        start = total
-        routes = ["forward"] * ncls
-        class_of_g = np.arange(ngid, dtype=np.int64) // 2
-        split_classes = set(np.flatnonzero(splits).tolist())
-        switches = passes = 0
-        for passes in range(1, 5):
-            changed = False
-            # classes whose current rows touch a busiest rank of a phase that sets the time
-            busy = []
-            if mx[FWD] > 0:
-                busy.append(FWD)
-            if max(mx[NET], mx[NVL0]) > 0:
-                busy += [k for k in (NET, NVL0) if mx[k] == max(mx[NET], mx[NVL0])]
-            cur_g = np.arange(0, ngid, 2, dtype=np.int64)
-            for i in split_classes:
-                cur_g[i] += routes[i] == "direct"
-            current = cur_g[class_of_g[row_gid]] == row_gid
-            touch = np.zeros(len(row_gid), dtype=bool)
-            for k in busy:
-                r = int(np.argmax(t_rank[k * w:(k + 1) * w]))
-                touch |= (ks[row_pos] == k * w + r) | (kr[row_pos] == k * w + r)
-            bcast_ok = set(class_of_g[row_gid[touch & current]].tolist())
-            for i in sorted(bcast_ok | split_classes | {i for i, r in enumerate(routes) if r == "broadcast"}):
-                cur = routes[i]
-                options = []
-                for route in ROUTES:
-                    if route == cur or (route == "direct" and not self.cls[i].splits):
-                        continue
-                    if route == "broadcast" and (i not in bcast_ok or not self.numel_of[i]):
-                        continue
-                    options.append(route)
-                best = None
-                for route in options:
-                    parts_i, parts_b = [], []
-                    for r, sign in ((cur, -1.0), (route, 1.0)):
-                        if r != "broadcast":
-                            pos, nb = seg(i, r)
-                            parts_i.append(pos)
-                            parts_b.append(nb * sign)
-                    if parts_i:
-                        u, inv2 = np.unique(np.concatenate(parts_i), return_inverse=True)
-                        delta = np.bincount(inv2.ravel(), weights=np.concatenate(parts_b), minlength=len(u))
-                        old = pb[u]
-                        new = old + delta
-                        dm = np.ceil(new / self.half) - np.ceil(old / self.half)
-                        ld2 = (ld[0] + np.bincount(ks[u], weights=delta, minlength=w3),
-                               ld[1] + np.bincount(kr[u], weights=delta, minlength=w3),
-                               ld[2] + np.bincount(ks[u], weights=dm, minlength=w3),
-                               ld[3] + np.bincount(kr[u], weights=dm, minlength=w3))
-                        t2, mx2 = per_kind(ld2)
-                    else:
-                        u = new = None
-                        ld2, t2, mx2 = ld, t_rank, mx
-                    if route == "broadcast" or cur == "broadcast":
-                        bset2 = sorted(set(bset) | set(by_class[i])) if route == "broadcast" else \
-                            [t for t in bset if t not in set(by_class[i])]
-                        b2 = bcast_s(bset2)
-                    else:
-                        bset2, b2 = bset, b_s
-                    total2 = reshard_s(mx2) + b2
-                    if total2 < (total if best is None else best[0]):
-                        best = (total2, route, u, new, ld2, t2, mx2, bset2, b2)
-                if best is not None:
-                    total, routes[i], u, new, ld, t_rank, mx, bset, b_s = best
-                    if u is not None:
-                        pb[u] = new
-                    switches += 1
-                    changed = True
-            if not changed:
-                break
-        # broadcast everywhere, where that is faster still (tried only if a floor of its time is below)
-        floor = self.plan.src.manifest.nbytes / lk.nvl  # no ring is faster than NVLink
-        if floor < total:  # each root's ring bytes at its ring's bandwidth, and at least one fill latency
-            floor = 0.0
-            per_root: dict[int, int] = defaultdict(int)
-            for i, ts in enumerate(by_class):
-                if self.numel_of[i]:
-                    for t in ts:
-                        per_root[self.gather_cost(i, t)[0]] += align(self.numel_of[i] * items[t])
-            for root, nbytes in per_root.items():
-                bw, size = self.ring(root)
-                floor += nbytes / bw + (size - 1) * lk.lat
-        broadcast = None
-        if floor < total:
-            broadcast = 0.0 + bcast_s(list(range(len(items))))
-        if broadcast is not None and broadcast < total:
-            total, routes = broadcast, ["broadcast"] * ncls
-        elif any(r != "broadcast" for r in routes):  # auto's loads, likewise
-            self._saved[tuple(routes[i] for i in self.cid)] = ld
-        return RouteChoice(routes, total, start, broadcast, switches, passes)
+        span = len(Traffic) * ww
+        uniq, inv = np.unique(gids * span + keys, return_inverse=True)
+        row_bytes = np.bincount(inv.ravel(), weights=vals, minlength=len(uniq))
+        row_gid = uniq // span
+        universe, row_pos = np.unique(uniq % span, return_inverse=True)
+        bounds = np.searchsorted(row_gid, np.arange(2 * len(self.cls) + 1))
+        return _ClassRows(row_pos.ravel(), row_bytes, row_gid, bounds,
+                          (universe // ww) * w + (universe // w) % w, (universe // ww) * w + universe % w)
 
     # ---- lower bound
     def lower_bound(self) -> LowerBound:
-        np = _np()
-        plan, dom, lk = self.plan, self.dom, self.links
-        w = self.world
-        ww = w * w
+        """The network lower bound (see the module docstring): the largest of the ingress, exclusive egress and
+        all-egress figures."""
         totals = [0] * len(self.cls)  # class -> Σ item bytes of its tensors
         for t, i in enumerate(self.cid):
             totals[i] += self.items[t]
-        # ingress: every phase-0 network entry (with forwarding) enters its receiver's domain once
+        ingress = self._ingress(totals)
+        exclusive, must_leave = self._egress(totals)
+        return _bound(self.dom, self.links, self.src_ranks, self.dst_ranks, ingress, exclusive, must_leave)
+
+    def _ingress(self, totals: list) -> dict[int, float]:
+        """Domain -> bytes entering it over the network: every phase-0 network entry (with forwarding) enters
+        its receiver's domain once."""
+        np = _np()
+        w, dom = self.world, self.dom
         table, _pos = self.table(False)
-        tot = np.array(totals, dtype=np.float64)
+        total_of = np.array(totals, dtype=np.float64)
         dom_ids = sorted(set(dom.values()))
         index = {d: j for j, d in enumerate(dom_ids)}
-        dom_idx = np.zeros(w, dtype=np.int64)
+        dom_of_rank = np.zeros(w, dtype=np.int64)
         for r, d in dom.items():
-            dom_idx[r] = index[d]
-        ingress_arr = np.zeros(len(dom_ids))
-        for keys, n, cnt in ((table.fk, table.fn, table.fc), (table.rb, table.rn, table.rc)):
+            dom_of_rank[r] = index[d]
+        per_dom = np.zeros(len(dom_ids))
+        for keys, numel, count in ((table.fixed_pair, table.fixed_numel, table.fixed_count),
+                                   (table.rot_pair, table.rot_numel, table.rot_count)):
             if not len(keys):
                 continue
-            weight = n * np.repeat(tot, cnt)
-            net = keys // ww == NET
-            ingress_arr += np.bincount(dom_idx[keys[net] % w], weights=weight[net], minlength=len(dom_ids))
-        ingress: dict[int, float] = {dom_ids[j]: float(v) for j, v in enumerate(ingress_arr) if v}
-        exclusive: dict[int, float] = defaultdict(float)  # src domain -> bytes only it holds, needed outside
-        must_leave = 0.0  # bytes that must leave some source domain
+            nbytes = numel * np.repeat(total_of, count)
+            net = keys // (w * w) == Traffic.NET
+            per_dom += np.bincount(dom_of_rank[keys[net] % w], weights=nbytes[net], minlength=len(dom_ids))
+        return {dom_ids[j]: float(v) for j, v in enumerate(per_dom) if v}
+
+    def _egress(self, totals: list) -> tuple[dict[int, float], float]:
+        """(source domain -> bytes only it holds that another domain needs, bytes that must leave some source
+        domain)."""
+        dom = self.dom
+        exclusive: dict[int, float] = defaultdict(float)
+        must_leave = 0.0
         for c, items in zip(self.cls, totals):
             if not items:
                 continue
             dst_boxes = c.dst_boxes
             dst_doms = [{dom[h] for h in holders} for _b, holders in dst_boxes]
             for a, senders in c.src_boxes:
-                sdoms = {dom[s] for s in senders}
+                src_doms = {dom[s] for s in senders}
                 need = 0
                 for (b, _h), ddoms in zip(dst_boxes, dst_doms):
-                    if ddoms - sdoms:
+                    if ddoms - src_doms:
                         r = a.intersect(b)
                         if r is not None:
                             need += r.numel
                 if need:
                     must_leave += need * items
-                    if len(sdoms) == 1:
-                        exclusive[next(iter(sdoms))] += need * items
-        ranks_in: dict[int, list] = defaultdict(list)
-        for r in sorted(set(plan.src.ranks) | set(plan.dst.ranks)):
-            ranks_in[dom[r]].append(r)
-        src_doms = {dom[r] for r in plan.src.ranks}
+                    if len(src_doms) == 1:
+                        exclusive[next(iter(src_doms))] += need * items
+        return exclusive, must_leave
 
-        def worst(figures: dict) -> tuple[float, int | None]:
-            best = (0.0, None)
-            for d, nb in figures.items():
-                s = nb / (len(ranks_in[d]) * lk.net)
-                if s > best[0]:
-                    best = (s, d)
-            return best
 
-        in_s, in_d = worst(ingress)
-        ex_s, ex_d = worst(exclusive)
-        src_nics = sum(len(ranks_in[d]) for d in src_doms)
-        all_s = must_leave / (src_nics * lk.net) if src_nics else 0.0
+def _bound(dom: dict, lk: Links, src_ranks: list, dst_ranks: list, ingress: dict, exclusive: dict,
+           must_leave: float) -> LowerBound:
+    """The lower bound from the bytes each domain must receive (`ingress`) and send (`exclusive`), and those
+    that must leave the source domains together, through their ranks' NICs."""
+    ranks_in: dict[int, list] = defaultdict(list)
+    for r in sorted(set(src_ranks) | set(dst_ranks)):
+        ranks_in[dom[r]].append(r)
+    src_doms = {dom[r] for r in src_ranks}
 
-        def where(d: int) -> str:
-            rs = ranks_in[d]
-            return f"domain {d} (ranks {rs[0]}-{rs[-1]})" if len(rs) > 1 else f"rank {rs[0]}"
+    def worst(figures: dict) -> tuple[float, int | None]:
+        best = (0.0, None)
+        for d, nb in figures.items():
+            s = nb / (len(ranks_in[d]) * lk.net)
+            if s > best[0]:
+                best = (s, d)
+        return best
 
-        egress_s = max(ex_s, all_s)
-        candidates = [(in_s, "ingress", in_d), (ex_s, "egress", ex_d), (all_s, "egress-all", None)]
-        s, kind, d = max(candidates, key=lambda x: x[0])
-        if s == 0:
-            resource = "nothing crosses a domain boundary"
-        elif kind == "ingress":
-            resource = (f"network ingress of {where(d)}: {_gb(ingress[d])} over {len(ranks_in[d])} x "
-                        f"{lk.network_gbps:g} GB/s")
-        elif kind == "egress":
-            resource = (f"network egress of {where(d)}: {_gb(exclusive[d])} only it holds, over "
-                        f"{len(ranks_in[d])} x {lk.network_gbps:g} GB/s")
+    def where(d: int) -> str:
+        rs = ranks_in[d]
+        return f"domain {d} (ranks {rs[0]}-{rs[-1]})" if len(rs) > 1 else f"rank {rs[0]}"
+
+    in_s, in_d = worst(ingress)
+    ex_s, ex_d = worst(exclusive)
+    src_nics = sum(len(ranks_in[d]) for d in src_doms)
+    all_s = must_leave / (src_nics * lk.net) if src_nics else 0.0
+    candidates = [(in_s, "ingress", in_d), (ex_s, "egress", ex_d), (all_s, "egress-all", None)]
+    s, kind, d = max(candidates, key=lambda x: x[0])
+    if s == 0:
+        resource = "nothing crosses a domain boundary"
+    elif kind == "ingress":
+        resource = (f"network ingress of {where(d)}: {fmt_bytes(ingress[d])} over {len(ranks_in[d])} x "
+                    f"{lk.network_gbps:g} GB/s")
+    elif kind == "egress":
+        resource = (f"network egress of {where(d)}: {fmt_bytes(exclusive[d])} only it holds, over "
+                    f"{len(ranks_in[d])} x {lk.network_gbps:g} GB/s")
+    else:
+        resource = (f"network egress of all source domains: {fmt_bytes(must_leave)} over {src_nics} x "
+                    f"{lk.network_gbps:g} GB/s")
+    detail = {"ingress_bytes_max": max(ingress.values(), default=0),
+              "egress_exclusive_bytes_max": max(exclusive.values(), default=0),
+              "egress_all_bytes": must_leave}
+    return LowerBound(s, resource, in_s, max(ex_s, all_s), detail)
+
+
+class _ClassRows(NamedTuple):
+    """Every (class, variant)'s rows as `_Model.class_rows` sums them. Per row: its pair's position in the
+    universe of pairs, its bytes, its group id (2 * class + direct); the rows of group g are bounds[g] ..
+    bounds[g + 1]. Per pair of the universe: its (kind, sender) and its (kind, receiver), as kind * world + rank."""
+
+    pos: Any
+    nbytes: Any
+    gid: Any
+    bounds: Any
+    kind_sender: Any
+    kind_receiver: Any
+
+
+class _Move(NamedTuple):
+    """One class moved to `route`: the predicted refit, and the search's state if the move is taken."""
+
+    total: float
+    route: Route
+    pairs: Any  # positions of the pairs whose bytes change (None: no reshard-path change)
+    pair_bytes: Any  # their new bytes
+    loads: tuple
+    rank_seconds: Any
+    kind_max: list
+    bcast_tensors: list
+    bcast_s: float
+
+
+class _RouteSearch:
+    """Auto's routes (`run`): start from forward everywhere (mode reshard) and, class by class in a fixed order,
+    move a class to another route (direct, broadcast, or back) where the model predicts the whole refit
+    strictly faster with it; repeat until a pass changes nothing (at most 4 passes). Finally, broadcast
+    everywhere wins if it is predicted faster still. So auto is never predicted slower than reshard or
+    broadcast.
+
+    Every figure compared is built from sums of whole bytes (exact in float64, whatever their order) and the
+    same per-rank formula as `_Model.mode_cost`, so every rank computes the same figures and the same choice;
+    ties keep the current route, and among new routes go to the first of forward, direct, broadcast. A class
+    is tried on broadcast only when it touches a busiest rank of a phase that sets the time (moving it
+    elsewhere cannot shorten the reshard path otherwise).
+
+    The state: per pair the bytes of the current routes (`pair_bytes`), per (kind, rank) their loads (bytes
+    sent, received, messages sent, received) and seconds, per kind the busiest rank's seconds (`kind_max`),
+    the broadcast tensors and their seconds, and the predicted total.
+    """
+
+    def __init__(self, model: _Model):
+        np = _np()
+        self.model = model
+        self.rows = rows = model.class_rows()
+        lk = model.links
+        self.bandwidth = np.repeat(np.array([lk.net, lk.nvl, lk.nvl]), model.world)  # per (kind, rank)
+        self.split_classes = {i for i, c in enumerate(model.cls) if c.splits}
+        forward = rows.gid % 2 == 0
+        self.pair_bytes = np.bincount(rows.pos[forward], weights=rows.nbytes[forward],
+                                      minlength=len(rows.kind_sender))
+        self.loads = self._loads(self.pair_bytes)
+        # mode reshard's loads: `mode_cost` need not sum them again
+        model.saved_loads[(Route.FORWARD,) * len(model.items)] = self.loads
+        self.rank_seconds, self.kind_max = self._per_kind(self.loads)
+        self.bcast_tensors: list[int] = []
+        self.bcast_s = model.broadcast_seconds(self.bcast_tensors)
+        self.total = self._reshard_s(self.kind_max) + self.bcast_s
+        self.routes = [Route.FORWARD] * len(model.cls)
+
+    def run(self) -> RouteChoice:
+        start = self.total
+        switches = passes = 0
+        for passes in range(1, 5):
+            changed = False
+            bcast_ok = self._busy_classes()
+            broadcast = {i for i, r in enumerate(self.routes) if r == Route.BROADCAST}
+            for i in sorted(bcast_ok | self.split_classes | broadcast):
+                best = None
+                for route in self._options(i, bcast_ok):
+                    move = self._try(i, route)
+                    if move.total < (self.total if best is None else best.total):
+                        best = move
+                if best is not None:
+                    self._take(i, best)
+                    switches += 1
+                    changed = True
+            if not changed:
+                break
+        everywhere = self._broadcast_everywhere()
+        routes, total = self.routes, self.total
+        if everywhere is not None and everywhere < total:
+            total, routes = everywhere, [Route.BROADCAST] * len(routes)
+        elif any(r != Route.BROADCAST for r in routes):  # auto's loads, likewise
+            self.model.saved_loads[tuple(routes[i] for i in self.model.cid)] = self.loads
+        return RouteChoice(routes, total, start, everywhere, switches, passes)
+
+    # ---- figures
+    def _loads(self, pair_bytes) -> tuple:
+        np = _np()
+        rows, n = self.rows, len(Traffic) * self.model.world
+        msgs = np.ceil(pair_bytes / self.model.half)
+        return (np.bincount(rows.kind_sender, weights=pair_bytes, minlength=n),
+                np.bincount(rows.kind_receiver, weights=pair_bytes, minlength=n),
+                np.bincount(rows.kind_sender, weights=msgs, minlength=n),
+                np.bincount(rows.kind_receiver, weights=msgs, minlength=n))
+
+    def _per_kind(self, loads) -> tuple:
+        """(seconds per (kind, rank), the busiest rank's seconds per kind)."""
+        np = _np()
+        seconds = (np.maximum(loads[0], loads[1]) / self.bandwidth
+                   + np.maximum(loads[2], loads[3]) * self.model.links.lat)
+        return seconds, [float(x) for x in seconds.reshape(len(Traffic), self.model.world).max(axis=1)]
+
+    @staticmethod
+    def _reshard_s(kind_max: list) -> float:
+        """As `mode_cost`: max(network, phase-0 NVLink) + forwards."""
+        return max(kind_max[Traffic.NET], kind_max[Traffic.NVL0]) + kind_max[Traffic.FWD]
+
+    def _segment(self, i: int, route: Route) -> tuple:
+        """(pair positions, bytes) of class i's rows on a reshard-path `route`."""
+        rows = self.rows
+        g = 2 * i + (route == Route.DIRECT and self.model.cls[i].splits)
+        return rows.pos[rows.bounds[g]:rows.bounds[g + 1]], rows.nbytes[rows.bounds[g]:rows.bounds[g + 1]]
+
+    # ---- moves
+    def _busy_classes(self) -> set[int]:
+        """The classes whose current rows touch a busiest rank of a phase that sets the time."""
+        np = _np()
+        NET, NVL0, FWD = Traffic
+        w, rows, kind_max = self.model.world, self.rows, self.kind_max
+        busy = []
+        if kind_max[FWD] > 0:
+            busy.append(FWD)
+        if max(kind_max[NET], kind_max[NVL0]) > 0:
+            busy += [k for k in (NET, NVL0) if kind_max[k] == max(kind_max[NET], kind_max[NVL0])]
+        current_gid = np.arange(0, 2 * len(self.routes), 2, dtype=np.int64)
+        for i in self.split_classes:
+            current_gid[i] += self.routes[i] == Route.DIRECT
+        current = current_gid[rows.gid // 2] == rows.gid
+        touch = np.zeros(len(rows.gid), dtype=bool)
+        for k in busy:
+            r = int(np.argmax(self.rank_seconds[k * w:(k + 1) * w]))
+            touch |= (rows.kind_sender[rows.pos] == k * w + r) | (rows.kind_receiver[rows.pos] == k * w + r)
+        return set((rows.gid[touch & current] // 2).tolist())
+
+    def _options(self, i: int, bcast_ok: set) -> list[Route]:
+        """The routes class i may move to, in tie-break order."""
+        out = []
+        for route in ROUTES:
+            if route == self.routes[i] or (route == Route.DIRECT and not self.model.cls[i].splits):
+                continue
+            if route == Route.BROADCAST and (i not in bcast_ok or not self.model.numel_of[i]):
+                continue
+            out.append(route)
+        return out
+
+    def _try(self, i: int, route: Route) -> _Move:
+        """The refit with class i moved from its current route to `route`."""
+        np = _np()
+        cur = self.routes[i]
+        positions, deltas = [], []
+        for r, sign in ((cur, -1.0), (route, 1.0)):
+            if r != Route.BROADCAST:
+                pos, nbytes = self._segment(i, r)
+                positions.append(pos)
+                deltas.append(nbytes * sign)
+        if positions:
+            pairs, inv = np.unique(np.concatenate(positions), return_inverse=True)
+            delta = np.bincount(inv.ravel(), weights=np.concatenate(deltas), minlength=len(pairs))
+            loads, new = self._moved_loads(pairs, delta)
+            rank_seconds, kind_max = self._per_kind(loads)
         else:
-            resource = (f"network egress of all source domains: {_gb(must_leave)} over {src_nics} x "
-                        f"{lk.network_gbps:g} GB/s")
-        detail = {"ingress_bytes_max": max(ingress.values(), default=0),
-                  "egress_exclusive_bytes_max": max(exclusive.values(), default=0),
-                  "egress_all_bytes": must_leave}
-        return LowerBound(s, resource, in_s, egress_s, detail)
+            pairs = new = None
+            loads, rank_seconds, kind_max = self.loads, self.rank_seconds, self.kind_max
+        if route == Route.BROADCAST or cur == Route.BROADCAST:
+            mine = set(self.model.tensors_by_class()[i])
+            tensors = sorted(set(self.bcast_tensors) | mine) if route == Route.BROADCAST else \
+                [t for t in self.bcast_tensors if t not in mine]
+            bcast_s = self.model.broadcast_seconds(tensors)
+        else:
+            tensors, bcast_s = self.bcast_tensors, self.bcast_s
+        return _Move(self._reshard_s(kind_max) + bcast_s, route, pairs, new, loads, rank_seconds, kind_max,
+                     tensors, bcast_s)
+
+    def _moved_loads(self, pairs, delta) -> tuple:
+        """(the loads with `delta` bytes added to `pairs`, those pairs' new bytes)."""
+        np = _np()
+        rows, loads, half, n = self.rows, self.loads, self.model.half, len(Traffic) * self.model.world
+        old = self.pair_bytes[pairs]
+        new = old + delta
+        msgs = np.ceil(new / half) - np.ceil(old / half)
+        senders, receivers = rows.kind_sender[pairs], rows.kind_receiver[pairs]
+        return (loads[0] + np.bincount(senders, weights=delta, minlength=n),
+                loads[1] + np.bincount(receivers, weights=delta, minlength=n),
+                loads[2] + np.bincount(senders, weights=msgs, minlength=n),
+                loads[3] + np.bincount(receivers, weights=msgs, minlength=n)), new
+
+    def _take(self, i: int, move: _Move) -> None:
+        self.routes[i] = move.route
+        if move.pairs is not None:
+            self.pair_bytes[move.pairs] = move.pair_bytes
+        self.total, self.loads, self.rank_seconds, self.kind_max = move.total, move.loads, move.rank_seconds, \
+            move.kind_max
+        self.bcast_tensors, self.bcast_s = move.bcast_tensors, move.bcast_s
+
+    def _broadcast_everywhere(self) -> float | None:
+        """The predicted refit with every tensor broadcast; None where a floor of it is already no faster than
+        the routes chosen (no ring is faster than NVLink; each root's ring bytes at its ring's bandwidth, and at
+        least one fill latency)."""
+        model, lk = self.model, self.model.links
+        floor = model.nbytes / lk.nvl
+        if floor < self.total:
+            floor = 0.0
+            per_root: dict[int, int] = defaultdict(int)
+            for i, tensors in enumerate(model.tensors_by_class()):
+                if model.numel_of[i]:
+                    for t in tensors:
+                        per_root[model.gather_cost(i, t)[0]] += align(model.numel_of[i] * model.items[t])
+            for root, nbytes in per_root.items():
+                bw, size = model.ring(root)
+                floor += nbytes / bw + (size - 1) * lk.lat
+        if floor < self.total:
+            return 0.0 + model.broadcast_seconds(list(range(len(model.items))))
+        return None
 
 
 @dataclass
 class RouteChoice:
-    """Auto's choice (`_Model.choose`): per class (in `Plan.class_index` order) its route, and the predicted
+    """Auto's choice (`_RouteSearch`): per class (in `TensorClasses.index` order) its route, and the predicted
     seconds of the refit with these routes, with forward everywhere (mode reshard) and with broadcast
     everywhere (None: not needed, its floor was already slower)."""
 
@@ -786,13 +934,13 @@ def _np():
 def _busiest(sent, received, msgs_sent, msgs_received, bw: float, lat: float) -> tuple:
     """(seconds, rank, bytes, messages) of the busiest rank: full duplex, so the larger direction counts."""
     np = _np()
-    nb = np.maximum(sent, received)
-    m = np.maximum(msgs_sent, msgs_received)
-    t = nb / bw + m * lat
-    r = int(np.argmax(t))
-    if t[r] <= 0:
+    nbytes = np.maximum(sent, received)
+    msgs = np.maximum(msgs_sent, msgs_received)
+    seconds = nbytes / bw + msgs * lat
+    rank = int(np.argmax(seconds))
+    if seconds[rank] <= 0:
         return (0.0, -1, 0, 0)
-    return (float(t[r]), r, int(nb[r]), int(m[r]))
+    return (float(seconds[rank]), rank, int(nbytes[rank]), int(msgs[rank]))
 
 
 def fmt_seconds(x: float) -> str:
@@ -808,11 +956,6 @@ def fmt_seconds(x: float) -> str:
     return "0"
 
 
-def _gb(n: float) -> str:
-    from reshard_cli.base.text import fmt_bytes
-    return fmt_bytes(n)
-
-
 def _bound_by(mc: ModeCost, lk: Links) -> str:
     """The largest term of the sequential figure, in words."""
     terms = []
@@ -820,13 +963,13 @@ def _bound_by(mc: ModeCost, lk: Links) -> str:
     if phase0:
         if mc.network_s >= mc.nvlink0_s:
             r, nb, m = mc.busiest["network"]
-            terms.append((mc.network_s, f"network: rank {r} moves {_gb(nb)} in {m} messages"))
+            terms.append((mc.network_s, f"network: rank {r} moves {fmt_bytes(nb)} in {m} messages"))
         else:
             r, nb, m = mc.busiest["nvlink_phase0"]
-            terms.append((mc.nvlink0_s, f"NVLink phase 0: rank {r} moves {_gb(nb)}"))
+            terms.append((mc.nvlink0_s, f"NVLink phase 0: rank {r} moves {fmt_bytes(nb)}"))
     if mc.forward_s:
         r, nb, m = mc.busiest["forward"]
-        terms.append((mc.forward_s, f"NVLink forwards: rank {r} moves {_gb(nb)}"))
+        terms.append((mc.forward_s, f"NVLink forwards: rank {r} moves {fmt_bytes(nb)}"))
     if mc.ring_s:
         bw = mc.ring_s - mc.ring_latency_s
         if mc.ring_latency_s > bw:
@@ -845,26 +988,37 @@ def _bound_by(mc: ModeCost, lk: Links) -> str:
 
 
 def model_for(plan: Plan, links: Links, bucket_bytes: int | None = None) -> _Model:
-    """The model of `plan` under `links` (kept on the plan: auto's choice and the predictions share its tables)."""
-    half = TransferOptions(bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES).half
-    key = ("model", links, half)
-    model = plan._cache.get(key)
-    if model is None:
-        model = plan._cache[key] = _Model(plan, links, bucket_bytes or DEFAULT_BUCKET_BYTES)
-    return model
+    """The model of `plan`'s classes under `links` (kept with the classes: auto's choice and the predictions
+    share its tables)."""
+    bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
+    key = ("cost model", links, TransferOptions(bucket_bytes=bucket_bytes).half)
+    return plan.classes.memo(key, lambda: _Model(plan.classes, links, bucket_bytes))
 
 
-def choose_routes(plan: Plan, links: Links | None = None, bucket_bytes: int | None = None) -> RouteChoice | None:
-    """Auto's route per tensor class of `plan` (`Plan.class_index` order): the one this model predicts cheapest
-    for the class's tensors refit alone, from `links` (default: the plan's topology's; None without figures)."""
-    if links is None:
-        links, _why = links_of(plan.topology)
+def auto_routes(plan: Plan) -> ClassRoutes:
+    """Mode auto's route per tensor class of `plan` (`TensorClasses.index` order) and what decided them: this
+    model's choice (`_RouteSearch`) from the plan's topology's links and bucket size; forward everywhere
+    without link figures."""
+    links, _why = links_of(plan.topology)
+    with no_gc():
+        nclasses = len(plan.classes.index()[0])
         if links is None:
-            return None
-    model = model_for(plan, links, bucket_bytes)
-    if model.choice is None:
-        model.choice = model.choose()
-    return model.choice
+            return ClassRoutes((Route.FORWARD,) * nclasses,
+                               "no link figures to weigh: forward everywhere (the fewest network bytes)")
+        choice = model_for(plan, links, plan.bucket_bytes).choice()
+    moved = sum(r != Route.FORWARD for r in choice.routes)
+    return ClassRoutes(tuple(choice.routes),
+                       f"chosen by the cost model, class by class: {moved} of {len(choice.routes)} classes off "
+                       f"forward, predicted {fmt_seconds(choice.seconds)} (forward everywhere "
+                       f"{fmt_seconds(choice.reshard_seconds)})")
+
+
+def with_auto_routes(plan: Plan) -> Plan:
+    """`plan`, ready to follow: in mode auto (without routes yet) with `auto_routes(plan)` handed in; any other
+    plan as it is."""
+    if plan.mode != "auto" or plan.class_routes is not None:
+        return plan
+    return plan.with_class_routes(auto_routes(plan))
 
 
 def predict(plan: Plan, topology: Topology | None = None, *, modes=MODES,
@@ -872,17 +1026,20 @@ def predict(plan: Plan, topology: Topology | None = None, *, modes=MODES,
     """Predicted seconds of every mode (each mode's routes from the plan's classes) and the network lower bound.
 
     `topology` defaults to the plan's; None is returned when it has no usable link figures (`links_of`).
-    Mode auto is costed with the routes the plan chose (from its topology's links and its bucket size).
+    Mode auto is costed with the routes the plan carries, else with those `auto_routes` chooses for it (from
+    its topology's links and its bucket size).
     """
     t0 = time.perf_counter()
     topology = topology if topology is not None else plan.topology
     links, _why = links_of(topology)
     if links is None:
         return None
-    if topology is not plan.topology:
+    if topology is not plan.topology:  # auto's routes, if the plan carries them, belong to its own topology
         plan = Plan(plan.src, plan.dst, topology, mode=plan.mode, reshard_match=plan.reshard_match,
                     bucket_bytes=plan.bucket_bytes)
     with no_gc():
+        if "auto" in modes and plan.class_routes is None:
+            plan = plan.with_class_routes(auto_routes(plan))
         model = model_for(plan, links, bucket_bytes)
         costs = {m: model.mode_cost(m, plan.routes_for(m)) for m in modes}
         bound = model.lower_bound()

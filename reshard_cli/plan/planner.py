@@ -13,19 +13,20 @@ needs no global pass over tensors, so a rank can build just the pieces of the te
 exactly the global plan restricted to itself.
 
 Tensors with equal (shape, src placement, dst placement) form a class; the geometry of a class is computed
-once (`TensorClass`, its pieces as entries), and instantiating a tensor only applies the rotation.
+once (`TensorClass`, its pieces as entries), and instantiating a tensor only applies the rotation. A layout
+pair's classes on a topology (`TensorClasses`) are what a `Plan` holds, and what the cost model weighs.
 
 Broadcast path (baseline, as RL frameworks do it): the full tensor is gathered on one source rank (the root)
 and broadcast to every destination rank; each keeps its slice.
 
-Every tensor takes one *route*: `forward` or `direct` (the reshard path) or `broadcast`. The modes:
+Every tensor takes one *route* (`terms.Route`): forward or direct (the reshard path) or broadcast. The modes:
   * `reshard`: every tensor forward; `broadcast`: every tensor broadcast;
   * `hybrid`: tensors matching `reshard_match` (FFN/expert weights) forward, the rest broadcast;
-  * `auto`: per tensor class, the route under which the cost model (`cost.py`, from the topology's link
-    figures) predicts the refit fastest: from forward everywhere, classes move one at a time in a fixed
-    order where that strictly lowers the prediction (`cost.choose_routes`; see cost.py). The choice is a pure
-    function of the layouts, the topology and the bucket size, computed with exact sums, so every rank
-    computes the same one; it weighs every class once (a rank view in mode auto pays that too).
+  * `auto`: per tensor class, the route the cost model (`cost.py`, from the topology's link figures) predicts
+    fastest. The plan does not choose: the cost model weighs the plan's classes and hands it their routes
+    (`cost.with_auto_routes(plan)`, `Plan.class_routes`); a plan in mode auto without them has no routes.
+    The choice is a pure function of the layouts, the topology and the bucket size, computed with exact sums,
+    so every rank computes the same one; it weighs every class once (a rank view in mode auto pays that too).
     Without link figures (no topology, or one without `links:`) there is nothing to weigh, and auto takes
     forward everywhere: the reshard path moves the fewest bytes over the network (each byte enters each
     destination domain once), which is the scarce resource wherever a domain holds several replicas, and
@@ -33,41 +34,24 @@ Every tensor takes one *route*: `forward` or `direct` (the reshard path) or `bro
 """
 from __future__ import annotations
 
-import gc
 import math
 import re
 import time
 from collections import defaultdict
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from reshard_cli.errors import ConfigError
 from reshard_cli.base.geometry import Box
-from reshard_cli.layouts.layout import Layout, Placement, load_pair
+from reshard_cli.layouts.layout import Layout, Placement
+from reshard_cli.formats import load_pair
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
+from reshard_cli.plan.terms import MODES, Bcast, ClassRoutes, Piece, Route, Traffic, no_gc
 
-MODES = ("auto", "hybrid", "reshard", "broadcast")
-ROUTES = ("forward", "direct", "broadcast")  # a tensor's route; also auto's tie-break order
 # FFN and expert projections (dense, shared and routed experts; mixtral's w1/w2/w3) take the reshard path.
 DEFAULT_RESHARD_MATCH = r"(gate_proj|up_proj|down_proj|\.w[123])\.weight$"
-
-
-class Piece(NamedTuple):
-    tensor: int
-    src: int
-    dst: int
-    box: Box  # global coordinates
-    phase: int  # 0: from a source rank, 1: forwarded inside a destination domain
-
-
-class Bcast(NamedTuple):
-    tensor: int
-    root: int  # source rank that assembles the full tensor
-    gather: tuple  # ((src rank, box), ...): the other source boxes sent to the root
-    root_box: Box  # what the root already holds
-    receivers: tuple  # destination ranks that hold a non-empty part
+PATHS = ("reshard", "broadcast")
 
 
 class Entry(NamedTuple):
@@ -94,8 +78,15 @@ class _Loads(NamedTuple):
     recv_all: int = 0  # elements every destination rank receives (broadcast)
 
 
-# kinds of reshard-path traffic
-NET, NVL0, FWD = 0, 1, 2  # phase 0 across domains (network), phase 0 inside a domain, phase 1 (forwards)
+class _Rotating(NamedTuple):
+    """The figures of a class's rotating entries (several possible senders) that do not depend on the residue,
+    and who sends their network elements at each residue."""
+
+    wire: int  # network elements
+    indomain: int  # in-domain elements
+    recv: dict  # rank -> network elements received
+    by_residue: list  # [(senders, key mod len(senders), network elements)]: tensor t's go from senders[(t + key) % L]
+    pieces: int  # entries
 
 
 class Columns(NamedTuple):
@@ -103,24 +94,23 @@ class Columns(NamedTuple):
     ("fixed") as sender, receiver, elements, kind; the others ("rotating") as their senders' position in
     `senders`, receiver, elements, rotation key and kind. Forwards (phase 1, fixed) as blocks, one per split
     intersection: (the domain's replicas G, the elements m_j of each sub-piece): G[j] sends m_j to every other
-    G[g] (m_j > 0). Plus the loads of all fixed entries and the ideal send (each network entry split evenly
-    over its senders)."""
+    G[g] (m_j > 0). Plus the loads of all fixed entries, the rotating entries' figures and the ideal send (each
+    network entry split evenly over its senders)."""
 
-    fsrc: list
-    fdst: list
-    fn: list
-    fkind: list
-    rsid: list
-    rdst: list
-    rn: list
-    rkey: list
-    rkind: list
+    fixed_src: list
+    fixed_dst: list
+    fixed_numel: list
+    fixed_kind: list
+    rotating_sid: list
+    rotating_dst: list
+    rotating_numel: list
+    rotating_key: list
+    rotating_kind: list
     senders: list
     blocks: list
-    fixed_loads: "_Loads"
+    fixed_loads: _Loads
+    rotating: _Rotating
     ideal: dict
-    rotating: tuple  # (network elements, in-domain elements, {rank: network elements received},
-    #                  [(senders, key mod L, network elements)], entries): the rotating entries' figures
 
 
 class TensorClass:
@@ -283,14 +273,18 @@ class TensorClass:
                 out.append(Piece(t, src, d, b, p))
         return out
 
-    def columns(self, direct: bool = False) -> "Columns":
+    def columns(self, direct: bool = False) -> Columns:
         """The entries' figures (see `Columns`), walked in `_build`'s order without building them."""
         direct = direct and self.splits
         col = self._cols.get(direct)
-        if col is not None:
-            return col
-        # 1. the phase-0 entries as (senders, dst, elements, kind, key) in `_build`'s order (key: the entry's
-        #    position there, forwards included); forwards as blocks; the geometry (`_geo`) on the way
+        if col is None:
+            col = self._cols[direct] = _columns(*self._walk(direct))
+        return col
+
+    def _walk(self, direct: bool) -> tuple[list, list, int, int]:
+        """The phase-0 entries as (senders, dst, elements, kind, key) in `_build`'s order (key: the entry's
+        position there, forwards included); the forwards as blocks (see `Columns`), with their elements and
+        pieces. Computes the geometry (`_geo`) on the way."""
         ents: list[tuple] = []
         blocks: list[tuple] = []
         fwd_elems = fwd_pieces = 0
@@ -298,6 +292,7 @@ class TensorClass:
         min_wire = 0
         lens: set[int] = set()
         splits = False
+        net, nvl0 = Traffic.NET, Traffic.NVL0
         for bi, b, d, group in self._groups():
             k = len(group)
             outside = b.numel
@@ -306,86 +301,28 @@ class TensorClass:
                     outside -= n
                     local = self._local_senders(si, srcs, d)
                     lens.add(len(local))
-                    ents += [(local, g, n, NVL0, key + j) for j, g in enumerate(group)]
+                    ents += [(local, g, n, nvl0, key + j) for j, g in enumerate(group)]
                     key += k
                     continue
                 lens.add(len(srcs))
                 splits = splits or k > 1
                 if k == 1 or direct:
-                    ents += [(srcs, g, n, NET, key + j) for j, g in enumerate(group)]
+                    ents += [(srcs, g, n, net, key + j) for j, g in enumerate(group)]
                     key += k
                 else:
-                    ms = []
+                    parts = []
                     for j, (_sub, m) in enumerate(self._split(r, k)):
-                        ms.append(m)
+                        parts.append(m)
                         if m:
-                            ents.append((srcs, group[j], m, NET, key))
+                            ents.append((srcs, group[j], m, net, key))
                             key += k  # the entry, then its k - 1 forwards (fixed entries, kept as a block)
                             fwd_elems += m * (k - 1)
                             fwd_pieces += k - 1
-                    blocks.append((group, ms + [0] * (k - len(ms))))  # a scalar is not split: one part
+                    blocks.append((group, parts + [0] * (k - len(parts))))  # a scalar is not split: one part
             min_wire += outside
         if self._geometry is None:
             self._geometry = (min_wire, _lcm(lens), splits)
-        # 2. their figures, in one pass
-        fsrc: list[int] = []
-        fdst: list[int] = []
-        fn: list[int] = []
-        fkind: list[int] = []
-        rsid: list[int] = []
-        rdst: list[int] = []
-        rn: list[int] = []
-        rkey: list[int] = []
-        rkind: list[int] = []
-        senders: list[tuple] = []
-        sid_of: dict[int, int] = {}
-        wire = indomain = 0
-        send: dict[int, int] = defaultdict(int)
-        recv: dict[int, int] = defaultdict(int)
-        by_senders: dict[tuple, int] = defaultdict(int)
-        rot_net = rot_in = 0  # rotating entries: network and in-domain elements
-        rot_recv: dict[int, int] = defaultdict(int)
-        rot_by: dict[tuple, int] = defaultdict(int)
-        for s, d, n, kind, k in ents:
-            if len(s) == 1:
-                src = s[0]
-                fsrc.append(src)
-                fdst.append(d)
-                fn.append(n)
-                fkind.append(kind)
-                if kind == NET:
-                    by_senders[s] += n
-                    wire += n
-                    send[src] += n
-                    recv[d] += n
-                else:
-                    indomain += n
-                continue
-            sid = sid_of.get(id(s))
-            if sid is None:
-                sid = sid_of[id(s)] = len(senders)
-                senders.append(s)
-            rsid.append(sid)
-            rdst.append(d)
-            rn.append(n)
-            rkey.append(k)
-            rkind.append(kind)
-            if kind == NET:  # what does not depend on the residue, and who sends per key mod L
-                by_senders[s] += n
-                rot_net += n
-                rot_recv[d] += n
-                rot_by[(sid, k % len(s))] += n
-            else:
-                rot_in += n
-        ideal: dict[int, float] = defaultdict(float)
-        for s, n in by_senders.items():
-            for x in s:
-                ideal[x] += n / len(s)
-        col = self._cols[direct] = Columns(
-            fsrc, fdst, fn, fkind, rsid, rdst, rn, rkey, rkind, senders, blocks,
-            _Loads(wire, indomain + fwd_elems, len(fsrc) + fwd_pieces, send, recv), ideal,
-            (rot_net, rot_in, rot_recv, [(senders[sid], ph, n) for (sid, ph), n in rot_by.items()], len(rsid)))
-        return col
+        return ents, blocks, fwd_elems, fwd_pieces
 
     # ---- broadcast path
     def bcast(self, t: int) -> Bcast:
@@ -453,17 +390,60 @@ class TensorClass:
         return self._loads[key]
 
 
-@contextmanager
-def no_gc():
-    """Pause the cyclic garbage collector: planning allocates millions of small acyclic objects (boxes, tuples),
-    and the full collections they trigger cost more than the planning itself (nothing here makes cycles)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+def _columns(ents: list, blocks: list, fwd_elems: int, fwd_pieces: int) -> Columns:
+    """`TensorClass.columns` from `TensorClass._walk`'s entries and forward blocks, in one pass."""
+    fixed_src, fixed_dst, fixed_numel, fixed_kind = [], [], [], []
+    rot_sid, rot_dst, rot_numel, rot_key, rot_kind = [], [], [], [], []
+    senders: list[tuple] = []
+    sid_of: dict[int, int] = {}
+    wire = indomain = 0
+    send: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    by_senders: dict[tuple, int] = defaultdict(int)
+    rot_net = rot_in = 0  # rotating entries: network and in-domain elements
+    rot_recv: dict[int, int] = defaultdict(int)
+    rot_by: dict[tuple, int] = defaultdict(int)
+    net = Traffic.NET
+    for s, d, n, kind, k in ents:
+        if len(s) == 1:
+            src = s[0]
+            fixed_src.append(src)
+            fixed_dst.append(d)
+            fixed_numel.append(n)
+            fixed_kind.append(kind)
+            if kind == net:
+                by_senders[s] += n
+                wire += n
+                send[src] += n
+                recv[d] += n
+            else:
+                indomain += n
+            continue
+        sid = sid_of.get(id(s))
+        if sid is None:
+            sid = sid_of[id(s)] = len(senders)
+            senders.append(s)
+        rot_sid.append(sid)
+        rot_dst.append(d)
+        rot_numel.append(n)
+        rot_key.append(k)
+        rot_kind.append(kind)
+        if kind == net:  # what does not depend on the residue, and who sends per key mod L
+            by_senders[s] += n
+            rot_net += n
+            rot_recv[d] += n
+            rot_by[(sid, k % len(s))] += n
+        else:
+            rot_in += n
+    ideal: dict[int, float] = defaultdict(float)
+    for s, n in by_senders.items():
+        for x in s:
+            ideal[x] += n / len(s)
+    return Columns(fixed_src, fixed_dst, fixed_numel, fixed_kind, rot_sid, rot_dst, rot_numel, rot_key, rot_kind,
+                   senders, blocks, _Loads(wire, indomain + fwd_elems, len(fixed_src) + fwd_pieces, send, recv),
+                   _Rotating(rot_net, rot_in, rot_recv, [(senders[sid], ph, n) for (sid, ph), n in rot_by.items()],
+                             len(rot_sid)),
+                   ideal)
 
 
 def _lcm(values) -> int:
@@ -482,16 +462,112 @@ class RankView:
     bcasts: list[Bcast]
 
 
+class TensorClasses:
+    """The tensor classes of a layout pair on a topology: built on first use, shared by every tensor of equal
+    shape and placements, and by every mode (the geometry does not depend on the mode). A `Plan` holds one;
+    the cost model weighs it (and keeps its tables in `memo`, so that auto's choice and the predictions share
+    them)."""
+
+    def __init__(self, src: Layout, dst: Layout, topology: Topology):
+        self.src, self.dst = src, dst
+        self.domains = {r: topology.domain_of(r) for r in src.ranks + dst.ranks}  # rank -> domain id
+        self._recv_doms = frozenset(self.domains[r] for r in dst.ranks)
+        self._by_key: dict[tuple, TensorClass] = {}  # (shape, id(src placement), id(dst placement)) -> class
+        self._boxes: dict[tuple, list] = {}  # (shape, id(placement)) -> `unique_boxes`
+        self._index: tuple | None = None
+        self._itemsizes: list[int] | None = None
+        self._memo: dict = {}
+
+    def of(self, t: int) -> TensorClass:
+        """The class of tensor `t`."""
+        shape = self.src.manifest.tensors[t].shape
+        sp, dp = self.src.placements[t], self.dst.placements[t]
+        key = (shape, id(sp), id(dp))
+        c = self._by_key.get(key)
+        if c is None:
+            c = self._by_key[key] = TensorClass(shape, self.unique_boxes(shape, sp), self.unique_boxes(shape, dp),
+                                                self.domains, self.dst.ranks, self._recv_doms)
+        return c
+
+    def index(self) -> tuple[list[TensorClass], list[int]]:
+        """(every class, in order of first tensor; per tensor, its class's position in that list)."""
+        if self._index is None:
+            classes: list[TensorClass] = []
+            cid: list[int] = []
+            pos: dict[tuple, int] = {}
+            for t, (spec, sp, dp) in enumerate(zip(self.src.manifest.tensors, self.src.placements,
+                                                   self.dst.placements)):
+                key = (spec.shape, id(sp), id(dp))
+                i = pos.get(key)
+                if i is None:
+                    i = pos[key] = len(classes)
+                    classes.append(self.of(t))
+                cid.append(i)
+            self._index = (classes, cid)
+        return self._index
+
+    def itemsizes(self) -> list[int]:
+        """Bytes per element of every tensor."""
+        if self._itemsizes is None:
+            self._itemsizes = [t.itemsize for t in self.src.manifest.tensors]
+        return self._itemsizes
+
+    def unique_boxes(self, shape: tuple, p: Placement) -> list[tuple[Box, tuple]]:
+        """The non-empty boxes of a placement, each with the ranks holding it (replicas), first holder first."""
+        key = (shape, id(p))
+        boxes = self._boxes.get(key)
+        if boxes is None:
+            boxes = self._boxes[key] = [(b, rs) for b, rs in p.boxes(shape) if not b.empty]
+        return boxes
+
+    def memo(self, key, make):
+        """What `make()` returns, made once per `key` for these classes: the cache of figures other modules
+        derive from them (the cost model keys its models by link figures and bucket size)."""
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = make()
+        return out
+
+
+class _Tally:
+    """What `Plan.stats` adds up: per path its tensors, bytes, wire and in-domain bytes and pieces; per rank the
+    network bytes sent and received; the bytes every destination rank receives (broadcast); the ideal send."""
+
+    def __init__(self):
+        self.per_path = {p: {"tensors": 0, "bytes": 0, "wire_bytes": 0, "indomain_bytes": 0, "pieces": 0}
+                         for p in PATHS}
+        self.send: dict[int, int] = defaultdict(int)
+        self.recv: dict[int, int] = defaultdict(int)
+        self.recv_all = 0
+        self.ideal: dict[int, float] = defaultdict(float)
+
+    def add(self, path: str, loads: _Loads, count: int, items: int) -> None:
+        """`count` tensors of `items` Σ bytes per element with `loads` (in elements)."""
+        st = self.per_path[path]
+        st["wire_bytes"] += loads.wire * items
+        st["indomain_bytes"] += loads.indomain * items
+        st["pieces"] += loads.pieces * count
+        send, recv = self.send, self.recv
+        for r, v in loads.send.items():
+            send[r] += v * items
+        for r, v in loads.recv.items():
+            recv[r] += v * items
+        self.recv_all += loads.recv_all * items
+
+
 @dataclass
 class Plan:
     """The refit between two layouts: every piece of the reshard path and every gather→broadcast, per mode.
 
-    Identical on every rank by construction (pure functions of the layouts, topology, mode and match), so
-    each rank can ask only for its own part (`rank_view`) and still agree with its peers.
+    Identical on every rank by construction (pure functions of the layouts, topology, mode and match, and in
+    mode auto of the routes the cost model chose), so each rank can ask only for its own part (`rank_view`)
+    and still agree with its peers.
 
-    `paths` (per tensor: "reshard" or "broadcast") and `routes` (per tensor: "forward", "direct" or
-    "broadcast") are computed on first use; in mode auto that weighs every tensor class once (`class_routes`).
-    `bucket_bytes` is the transport's bucket size auto's cost figures assume (None: the transport's default).
+    `paths` (per tensor: "reshard" or "broadcast") and `routes` (per tensor: a `Route`) are computed on first
+    use. In mode auto they follow `class_routes`, which the cost model chooses from this plan's classes
+    (`cost.with_auto_routes`); they belong to this plan's layouts and topology (a plan with another topology
+    needs its own). `bucket_bytes` is the transport's bucket size auto's cost figures assume (None: the
+    transport's default).
     """
 
     src: Layout
@@ -500,12 +576,15 @@ class Plan:
     mode: str = "hybrid"
     reshard_match: str | None = None  # None: DEFAULT_RESHARD_MATCH
     bucket_bytes: int | None = None
+    class_routes: ClassRoutes | None = None  # mode auto's route per class (in `TensorClasses.index` order)
+    classes: TensorClasses = field(init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, src: str | Path, dst: str | Path, *, topology: str | Path | Topology | None = None,
               mode: str = "hybrid", reshard_match: str | None = None, scale: int = 1,
               bucket_bytes: int | None = None) -> "Plan":
-        """Load a layout pair (paths or bundled names) and a topology (path, bundled name or object) and plan."""
+        """Load a layout pair (paths or bundled names) and a topology (path, bundled name or object) and plan
+        (in mode auto, without routes yet: see `cost.with_auto_routes`)."""
         with no_gc():
             src_l, dst_l = load_pair(src, dst, scale=scale)
         if topology is None:
@@ -527,20 +606,20 @@ class Plan:
             self._rx = re.compile(self.reshard_match)
         except re.error as e:
             raise ConfigError(f"bad regex: {e}", key="--reshard-match") from None
-        self._classes: dict[tuple, TensorClass] = {}
-        self.domains = {r: self.topology.domain_of(r) for r in self.src.ranks + self.dst.ranks}  # rank -> domain id
-        self._recv_doms = frozenset(self.domains[r] for r in self.dst.ranks)
-        self._boxes: dict[tuple, list] = {}
-        self._index: tuple | None = None
-        self._routes: dict[str, tuple] = {}
-        self._class_routes: tuple | None = None
-        self._cache: dict = {}  # the cost model's per-class tables (cost.py), shared by the choice and predictions
+        self.classes = TensorClasses(self.src, self.dst, self.topology)
+        self._routes: dict[str, tuple] = {}  # mode (or ("paths", mode)) -> per tensor
+
+    def with_class_routes(self, class_routes: ClassRoutes) -> "Plan":
+        """This plan with mode auto's routes handed in (its classes, already built, are shared)."""
+        out = replace(self, class_routes=class_routes)
+        out.classes = self.classes
+        return out
 
     # ----------------------------------------------------------------------------------------- routes
 
     @property
     def routes(self) -> tuple:
-        """Per tensor, in this plan's mode: "forward", "direct" (the reshard path) or "broadcast"."""
+        """Per tensor, in this plan's mode: `Route.FORWARD`, `Route.DIRECT` (the reshard path) or `Route.BROADCAST`."""
         return self.routes_for(self.mode)
 
     @property
@@ -549,78 +628,37 @@ class Plan:
         key = ("paths", self.mode)
         out = self._routes.get(key)
         if out is None:
-            out = self._routes[key] = tuple("broadcast" if r == "broadcast" else "reshard" for r in self.routes)
+            out = self._routes[key] = tuple("broadcast" if r == Route.BROADCAST else "reshard" for r in self.routes)
         return out
 
     def routes_for(self, mode: str) -> tuple:
-        """Per tensor, the route it takes in `mode` (any mode, from this plan's classes and topology)."""
+        """Per tensor, the route it takes in `mode` (any mode, from this plan's classes; auto from
+        `class_routes`)."""
         out = self._routes.get(mode)
         if out is None:
             tensors = self.src.manifest.tensors
             if mode == "reshard" or mode == "broadcast":
-                out = ("forward" if mode == "reshard" else "broadcast",) * len(tensors)
+                out = (Route.FORWARD if mode == "reshard" else Route.BROADCAST,) * len(tensors)
             elif mode == "hybrid":
-                out = tuple("forward" if self._rx.search(t.name) else "broadcast" for t in tensors)
+                out = tuple(Route.FORWARD if self._rx.search(t.name) else Route.BROADCAST for t in tensors)
             elif mode == "auto":
-                per_class = self.class_routes()
-                out = tuple(per_class[i] for i in self.class_index()[1])
+                if self.class_routes is None:
+                    raise ValueError("mode auto takes each class's route from the cost model, and this plan has "
+                                     "none: plan = cost.with_auto_routes(plan)")
+                per_class = self.class_routes.routes
+                out = tuple(per_class[i] for i in self.classes.index()[1])
             else:
                 raise ConfigError(f"unknown mode {mode!r} (modes: {', '.join(MODES)})", key="--mode")
             self._routes[mode] = out
         return out
 
-    def class_routes(self) -> tuple:
-        """Auto's route per tensor class (in `class_index` order), chosen by the cost model from the topology's
-        links (`cost.choose_routes`); forward everywhere without link figures."""
-        if self._class_routes is None:
-            from reshard_cli.plan import cost  # the cost model imports this module
-
-            links, _why = cost.links_of(self.topology)
-            with no_gc():
-                classes = self.class_index()[0]
-                if links is None:
-                    self._class_routes = ("forward",) * len(classes)
-                else:
-                    self._class_routes = tuple(cost.choose_routes(self, links, self.bucket_bytes).routes)
-        return self._class_routes
-
-    # ------------------------------------------------------------------------------------ reshard path
-
-    def tensor_class(self, t: int) -> TensorClass:
-        """The class of tensor `t` (built on first use, shared by every tensor of equal shape and placements)."""
-        shape = self.src.manifest.tensors[t].shape
-        sp, dp = self.src.placements[t], self.dst.placements[t]
-        key = (shape, id(sp), id(dp))
-        c = self._classes.get(key)
-        if c is None:
-            c = self._classes[key] = TensorClass(shape, self.unique_boxes(shape, sp), self.unique_boxes(shape, dp),
-                                                 self.domains, self.dst.ranks, self._recv_doms)
-        return c
-
-    def class_index(self) -> tuple[list[TensorClass], list[int]]:
-        """(every class, in order of first tensor; per tensor, its class's position in that list)."""
-        if self._index is None:
-            classes: list[TensorClass] = []
-            cid: list[int] = []
-            pos: dict[tuple, int] = {}
-            for t, (spec, sp, dp) in enumerate(zip(self.src.manifest.tensors, self.src.placements,
-                                                   self.dst.placements)):
-                key = (spec.shape, id(sp), id(dp))
-                i = pos.get(key)
-                if i is None:
-                    i = pos[key] = len(classes)
-                    classes.append(self.tensor_class(t))
-                cid.append(i)
-            self._index = (classes, cid)
-        return self._index
-
     def route_summary(self, routes: tuple) -> dict:
         """Per route ("forward", "direct", "broadcast"): the classes, tensors and bytes that take it under
         per-tensor `routes`."""
-        out = {r: {"classes": 0, "tensors": 0, "bytes": 0} for r in ROUTES}
+        out = {r: {"classes": 0, "tensors": 0, "bytes": 0} for r in Route}
         seen = set()
-        classes, cid = self.class_index()
-        for i, item, r in zip(cid, self.itemsizes(), routes):
+        classes, cid = self.classes.index()
+        for i, item, r in zip(cid, self.classes.itemsizes(), routes):
             o = out[r]
             o["tensors"] += 1
             o["bytes"] += classes[i].numel * item
@@ -629,46 +667,37 @@ class Plan:
                 o["classes"] += 1
         return out
 
-    def itemsizes(self) -> list[int]:
-        """Bytes per element of every tensor."""
-        out = self._cache.get("items")
-        if out is None:
-            out = self._cache["items"] = [t.itemsize for t in self.src.manifest.tensors]
-        return out
+    # ------------------------------------------------------------------------------------ reshard path
 
     def unique_boxes(self, shape: tuple, p: Placement) -> list[tuple[Box, tuple]]:
-        """The non-empty boxes of a placement, each with the ranks holding it (replicas), first holder first."""
-        key = (shape, id(p))
-        boxes = self._boxes.get(key)
-        if boxes is None:
-            boxes = self._boxes[key] = [(b, rs) for b, rs in p.boxes(shape) if not b.empty]
-        return boxes
+        """The non-empty boxes of a placement, each with the ranks holding it (`TensorClasses.unique_boxes`)."""
+        return self.classes.unique_boxes(shape, p)
 
     def tensor_pieces(self, t: int) -> list[Piece]:
         """Every piece of tensor `t`: its reshard-path geometry (direct where its route is direct, else with
         forwarding), whatever its path in this mode."""
-        return self.tensor_class(t).pieces(t, self.routes[t] == "direct")
+        return self.classes.of(t).pieces(t, self.routes[t] == Route.DIRECT)
 
     def bcast(self, t: int) -> Bcast:
         """The gather→broadcast of tensor `t`."""
-        return self.tensor_class(t).bcast(t)
+        return self.classes.of(t).bcast(t)
 
     # -------------------------------------------------------------------------------------- rank views
 
     def rank_view(self, rank: int) -> RankView:
-        """Only what touches `rank`; equals the global plan restricted to it (no global pass over pieces; in mode
-        auto the route choice itself weighs every class once, see `class_routes`)."""
+        """Only what touches `rank`; equals the global plan restricted to it (no global pass over pieces)."""
         pieces: list[Piece] = []
         bcasts: list[Bcast] = []
         is_dst = rank in self.dst.ranks
         routes = self.routes
+        class_of = self.classes.of
         for t, (sp, dp) in enumerate(zip(self.src.placements, self.dst.placements)):
             route = routes[t]
-            if route != "broadcast":
+            if route != Route.BROADCAST:
                 if rank in sp.holder_set:
-                    pieces.extend(self.tensor_class(t).rank_pieces(t, rank, route == "direct"))
+                    pieces.extend(class_of(t).rank_pieces(t, rank, route == Route.DIRECT))
                 elif rank in dp.holder_set:
-                    pieces.extend(self.tensor_class(t).dst_pieces(t, rank, route == "direct"))
+                    pieces.extend(class_of(t).dst_pieces(t, rank, route == Route.DIRECT))
             elif is_dst or rank in sp.holder_set:
                 bc = self.bcast(t)
                 if bc.root >= 0 and (is_dst or rank == bc.root or any(s == rank for s, _ in bc.gather)):
@@ -678,12 +707,12 @@ class Plan:
     def pieces(self) -> Iterator[Piece]:
         """All reshard-path pieces of this mode, tensor by tensor."""
         for t, route in enumerate(self.routes):
-            if route != "broadcast":
-                yield from self.tensor_class(t).pieces(t, route == "direct")
+            if route != Route.BROADCAST:
+                yield from self.classes.of(t).pieces(t, route == Route.DIRECT)
 
     def bcasts(self) -> Iterator[Bcast]:
         for t, route in enumerate(self.routes):
-            if route == "broadcast":
+            if route == Route.BROADCAST:
                 yield self.bcast(t)
 
     # ------------------------------------------------------------------------------------- statistics
@@ -695,82 +724,83 @@ class Plan:
         is evaluated once and scaled by the bytes per element of its tensors.
         """
         with no_gc():
-            return self._stats()
+            t0 = time.perf_counter()
+            classes = self.classes.index()[0]
+            tally = _Tally()
+            groups, bcast_baseline, min_wire = self._group_tensors(tally)
+            self._add_loads(groups, tally)
+            bcast_wire = sum(classes[i].bcast_wire(res) * items for (i, res), items in bcast_baseline.items())
+            out = self._summary(tally, min_wire, bcast_wire)
+            if self.mode == "auto":  # which route each class took: bytes, tensors and classes per route
+                out["routes"] = self.route_summary(self.routes)
+                out["routes_by"] = self.class_routes.why
+            out["plan_seconds"] = time.perf_counter() - t0
+            return out
 
-    def _stats(self) -> dict:
-        t0 = time.perf_counter()
-        tensors = self.src.manifest.tensors
-        classes, cid = self.class_index()
-        routes = self.routes
-        groups: dict[tuple, list] = defaultdict(lambda: [0, 0])  # (class, route, residue) -> [tensors, Σ item]
-        baseline: dict[tuple, int] = defaultdict(int)  # (class, residue) -> Σ item, for broadcast_wire_bytes
-        per_path = {p: {"tensors": 0, "bytes": 0, "wire_bytes": 0, "indomain_bytes": 0, "pieces": 0}
-                    for p in ("reshard", "broadcast")}
+    def _group_tensors(self, tally: _Tally) -> tuple[dict, dict, int]:
+        """The tensors grouped by (class, route, rotation residue) -> [tensors, Σ item size], and by (class,
+        broadcast residue) -> Σ item size (every tensor, for broadcast_wire_bytes); the minimum wire bytes.
+        Counts each path's tensors and bytes into `tally`."""
+        classes, cid = self.classes.index()
+        groups: dict[tuple, list] = defaultdict(lambda: [0, 0])
+        bcast_baseline: dict[tuple, int] = defaultdict(int)
         min_wire = 0
-        ideal: dict[int, float] = defaultdict(float)
-        geo = [c.min_wire for c in classes]
-        bn = [c.bn for c in classes]
-        n = [c.n for c in classes]
-        numel = [c.numel for c in classes]
-        path_of = {"forward": per_path["reshard"], "direct": per_path["reshard"], "broadcast": per_path["broadcast"]}
-        for t, (item, i, route) in enumerate(zip(self.itemsizes(), cid, routes)):
-            min_wire += geo[i] * item
-            baseline[(i, t % bn[i])] += item
-            nbytes = numel[i] * item
+        min_wire_of = [c.min_wire for c in classes]
+        bcast_period = [c.bn for c in classes]
+        period = [c.n for c in classes]
+        numel_of = [c.numel for c in classes]
+        reshard, broadcast = tally.per_path["reshard"], tally.per_path["broadcast"]
+        path_of = {Route.FORWARD: reshard, Route.DIRECT: reshard, Route.BROADCAST: broadcast}
+        for t, (item, i, route) in enumerate(zip(self.classes.itemsizes(), cid, self.routes)):
+            min_wire += min_wire_of[i] * item
+            bcast_baseline[(i, t % bcast_period[i])] += item
             pp = path_of[route]
             pp["tensors"] += 1
-            pp["bytes"] += nbytes
-            g = groups[(i, route, t % (bn[i] if route == "broadcast" else n[i]))]
+            pp["bytes"] += numel_of[i] * item
+            g = groups[(i, route, t % (bcast_period[i] if route == Route.BROADCAST else period[i]))]
             g[0] += 1
             g[1] += item
-        send: dict[int, int] = defaultdict(int)
-        recv: dict[int, int] = defaultdict(int)
-        recv_all = 0
-        per_class: dict[tuple, list] = defaultdict(lambda: [0, 0])  # reshard: Σ over residues
+        return groups, bcast_baseline, min_wire
 
-        def add(path: str, loads: _Loads, count: int, items: int) -> None:
-            nonlocal recv_all
-            st = per_path[path]
-            st["wire_bytes"] += loads.wire * items
-            st["indomain_bytes"] += loads.indomain * items
-            st["pieces"] += loads.pieces * count
-            for r, v in loads.send.items():
-                send[r] += v * items
-            for r, v in loads.recv.items():
-                recv[r] += v * items
-            recv_all += loads.recv_all * items
-
+    def _add_loads(self, groups: dict, tally: _Tally) -> None:
+        """Every group's loads into `tally`: broadcast ones per residue; reshard ones per residue only for who
+        sends the rotating entries, the rest (the same at every residue) once per class and route."""
+        classes = self.classes.index()[0]
+        per_class: dict[tuple, list] = defaultdict(lambda: [0, 0])  # (class, route) -> Σ over residues
+        send, ideal = tally.send, tally.ideal
         for (i, route, residue), (count, items) in groups.items():
             c = classes[i]
-            if route != "broadcast":  # who sends the rotating entries; the rest once per class, below
-                for sd, ph, v in c.columns(route == "direct").rotating[3]:
-                    send[sd[(residue + ph) % len(sd)]] += v * items
+            if route != Route.BROADCAST:
+                for senders, key, v in c.columns(route == Route.DIRECT).rotating.by_residue:
+                    send[senders[(residue + key) % len(senders)]] += v * items
                 pc = per_class[(i, route)]
                 pc[0] += count
                 pc[1] += items
             else:
                 loads = c.bcast_loads(residue)
-                add("broadcast", loads, count, items)
+                tally.add("broadcast", loads, count, items)
                 for r, v in loads.send.items():
                     ideal[r] += v * items
-        for (i, route), (count, items) in per_class.items():  # entries with one possible sender: once per class
-            c = classes[i]
-            col = c.columns(route == "direct")
-            add("reshard", col.fixed_loads, count, items)
-            wire, indomain, rot_recv, _by, pieces = col.rotating
-            if pieces:
-                add("reshard", _Loads(wire, indomain, pieces, {}, rot_recv), count, items)
+        for (i, route), (count, items) in per_class.items():
+            col = classes[i].columns(route == Route.DIRECT)
+            tally.add("reshard", col.fixed_loads, count, items)
+            rot = col.rotating
+            if rot.pieces:
+                tally.add("reshard", _Loads(rot.wire, rot.indomain, rot.pieces, {}, rot.recv), count, items)
             for r, v in col.ideal.items():
                 ideal[r] += v * items
-        if recv_all:
+        if tally.recv_all:
             for r in self.dst.ranks:
-                recv[r] += recv_all
-        bcast_wire = sum(classes[i].bcast_wire(res) * items for (i, res), items in baseline.items())
+                tally.recv[r] += tally.recv_all
+
+    def _summary(self, tally: _Tally, min_wire: int, bcast_wire: int) -> dict:
+        """The figures of `stats` from its tally."""
+        per_path, send, recv = tally.per_path, tally.send, tally.recv
         path_bytes = {p: v["bytes"] for p, v in per_path.items()}
         nbytes = self.src.manifest.nbytes
         # ideal send: each network piece split evenly over the source replicas that hold it (the best any
         # replica choice could do); ideal receive: the received bytes spread evenly over the destination group.
-        out = {
+        return {
             "mode": self.mode,
             "src": self.src.name,
             "dst": self.dst.name,
@@ -779,7 +809,7 @@ class Plan:
             "topology": self.topology.describe(),
             "model": self.src.manifest.name,
             "params": self.src.manifest.params,
-            "tensors": len(tensors),
+            "tensors": len(self.src.manifest.tensors),
             "bytes": nbytes,
             "paths": path_bytes,
             "reshard_share": path_bytes["reshard"] / max(nbytes, 1),
@@ -788,29 +818,12 @@ class Plan:
             "broadcast_wire_bytes": bcast_wire,
             "indomain_bytes": per_path["reshard"]["indomain_bytes"] + per_path["broadcast"]["indomain_bytes"],
             "pieces": per_path["reshard"]["pieces"] + per_path["broadcast"]["pieces"],
-            "classes": len(self._classes),
+            "classes": len(self.classes.index()[0]),
             "max_rank_send_bytes": max(send.values(), default=0),
             "max_rank_recv_bytes": max(recv.values(), default=0),
-            "ideal_rank_send_bytes": int(max(ideal.values(), default=0)),
+            "ideal_rank_send_bytes": int(max(tally.ideal.values(), default=0)),
             "ideal_rank_recv_bytes": sum(recv.get(r, 0) for r in self.dst.ranks) // max(self.dst.size, 1),
             "path_stats": per_path,
             "rank_bytes": {r: {"send": send.get(r, 0), "recv": recv.get(r, 0)}
                            for r in self.src.ranks + self.dst.ranks},
         }
-        if self.mode == "auto":  # which route each class took: bytes, tensors and classes per route
-            out["routes"] = self.route_summary(routes)
-            out["routes_by"] = self._routes_by()
-        out["plan_seconds"] = time.perf_counter() - t0
-        return out
-
-    def _routes_by(self) -> str:
-        """What decided auto's routes, in words."""
-        from reshard_cli.plan import cost
-
-        links, _why = cost.links_of(self.topology)
-        if links is None:
-            return "no link figures to weigh: forward everywhere (the fewest network bytes)"
-        ch = cost.choose_routes(self, links, self.bucket_bytes)
-        moved = sum(r != "forward" for r in ch.routes)
-        return (f"chosen by the cost model, class by class: {moved} of {len(ch.routes)} classes off forward, predicted "
-                f"{cost.fmt_seconds(ch.seconds)} (forward everywhere {cost.fmt_seconds(ch.reshard_seconds)})")

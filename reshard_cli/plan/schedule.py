@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from reshard_cli.base.geometry import Box, is_contiguous_region
-from reshard_cli.plan.planner import Bcast, Plan
+from reshard_cli.plan.planner import Plan
+from reshard_cli.plan.terms import Bcast
 
 ALIGN = 16  # byte alignment of every item inside a bucket or pack
 

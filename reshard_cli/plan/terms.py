@@ -9,13 +9,23 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import IntEnum, StrEnum
+from enum import Enum, IntEnum
 from typing import NamedTuple
 
 from reshard_cli.base.geometry import Box
 
 
-class Route(StrEnum):
+class _StrEnum(str, Enum):
+    """enum.StrEnum for Python 3.10 too: members are their string in comparisons, hashing, str(), f-strings and JSON."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Route(_StrEnum):
     """A tensor's route: with forwarding or direct (the reshard path), or broadcast. A member equals and hashes
     as its string, which is what the JSON and the reports show. The order is auto's tie-break order."""
 

@@ -38,7 +38,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from reshard_cli.bench.suite import BenchOptions
+from reshard_cli.bench import measure, plan_scaling, report
+from reshard_cli.bench.suite import BenchOptions, resolve, world_needed
 from reshard_cli.transfer import launcher
 
 __all__ = ["BenchOptions", "main"]
@@ -46,10 +47,6 @@ __all__ = ["BenchOptions", "main"]
 
 def main(opts: BenchOptions) -> None:
     """`reshard bench`: validate and launch torchrun, or be one of its workers (rank 0 reports)."""
-    from reshard_cli.bench import measure, report
-    from reshard_cli.bench.plan_scaling import plan_scaling
-    from reshard_cli.bench.suite import resolve, world_needed
-
     if not launcher.under_torchrun():
         with tempfile.TemporaryDirectory(prefix="reshard-bench-") as workdir:
             world = world_needed(resolve(opts, Path(workdir)))
@@ -59,5 +56,5 @@ def main(opts: BenchOptions) -> None:
     doc = measure.worker(opts)
     if doc is None:  # not rank 0
         return
-    doc["plan_scaling"] = plan_scaling(None if opts.quiet else report.say) if opts.plan_scaling else []
+    doc["plan_scaling"] = plan_scaling.plan_scaling(None if opts.quiet else report.say) if opts.plan_scaling else []
     report.finish(doc, opts)

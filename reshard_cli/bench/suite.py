@@ -11,6 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from reshard_cli.errors import ConfigError
+from reshard_cli.formats import load_pair
+from reshard_cli.layouts import bundled
+from reshard_cli.layouts.models import bundled_models
+from reshard_cli.layouts.topology import load_topology
+from reshard_cli.layouts.yamlio import check_keys, line_of, load_yaml
 from reshard_cli.transfer.launcher import JobOptions
 
 MODES = ("auto", "reshard", "hybrid", "broadcast", "live", "dcp")  # every case is timed in each, after the link limit
@@ -76,12 +81,6 @@ def _plain(x: Any) -> Any:
 def load_suite(spec: str, workdir: Path) -> Suite:
     """Read a suite YAML (a path or a bundled name such as `cpu`). Inline layouts/topologies are written into
     `workdir` (this process's own)."""
-    import yaml
-
-    from reshard_cli.layouts import bundled
-    from reshard_cli.layouts.models import bundled_models
-    from reshard_cli.layouts.yamlio import check_keys, line_of, load_yaml
-
     try:
         path = bundled.resolve("suite", spec)
     except ConfigError as e:
@@ -92,64 +91,80 @@ def load_suite(spec: str, workdir: Path) -> Suite:
     raw = doc["cases"]
     if not isinstance(raw, list) or not raw:
         raise ConfigError("expected a non-empty list of cases", file=file, key="cases", line=line_of(doc, "cases"))
-    base = path.parent
     cases: list[Case] = []
     for i, c in enumerate(raw):
-        where = f"cases[{i}]"
-        check_keys(c, CASE_KEYS, file=file, where=where, required=("src", "dst"))
-        name = str(c.get("name") or f"case{i}")
-        if not re.fullmatch(r"[\w.+-]+", name):
-            raise ConfigError("a case name may use letters, digits and . _ + -", file=file, key=f"{where}.name",
-                              line=line_of(c, "name"))
-        if any(x.name == name for x in cases):
-            raise ConfigError(f"duplicate case name {name!r}", file=file, key=f"{where}.name", line=line_of(c, "name"))
-
-        def file_or_inline(key: str) -> Path | str:
-            v = c[key]
-            if isinstance(v, dict):
-                v = _plain(v)
-                model = v.get("model")
-                if isinstance(model, str) and model not in bundled_models() and not Path(model).is_absolute() \
-                        and (base / model).exists():
-                    v["model"] = str((base / model).resolve())
-                out = workdir / f"{path.stem}.{name}.{key}.yaml"
-                out.write_text(yaml.safe_dump(v, sort_keys=False))
-                return out
-            if not isinstance(v, str) or not v:
-                raise ConfigError("expected a YAML path, a bundled name or an inline mapping", file=file,
-                                  key=f"{where}.{key}", line=line_of(c, key))
-            p = Path(v).expanduser()
-            if p.is_absolute():
-                return p
-            return base / p if (base / p).exists() else v  # else a bundled name, resolved when loaded
-
-        scale = c.get("scale", 1)
-        if not isinstance(scale, int) or isinstance(scale, bool) or scale < 1:
-            raise ConfigError("must be an integer >= 1", file=file, key=f"{where}.scale", line=line_of(c, "scale"))
-        bucket = c.get("bucket_mb", 64.0)
-        if not isinstance(bucket, (int, float)) or isinstance(bucket, bool) or bucket <= 0:
-            raise ConfigError("must be a number > 0", file=file, key=f"{where}.bucket_mb",
-                              line=line_of(c, "bucket_mb"))
-        match = c.get("reshard_match")
-        if match is not None and not isinstance(match, str):
-            raise ConfigError("expected a regex", file=file, key=f"{where}.reshard_match",
-                              line=line_of(c, "reshard_match"))
-        cases.append(Case(name, file_or_inline("src"), file_or_inline("dst"), scale, float(bucket),
-                          file_or_inline("topology") if c.get("topology") is not None else None, match))
-    sweep_case, sizes = None, ()
-    if doc.get("sweep") is not None:
-        sw = doc["sweep"]
-        check_keys(sw, ("case", "sizes"), file=file, where="sweep", required=("sizes",))
-        sweep_case = sw.get("case", cases[0].name)
-        if sweep_case not in [x.name for x in cases]:
-            raise ConfigError(f"no case named {sweep_case!r}", file=file, key="sweep.case", line=line_of(sw, "case"))
-        raw_sizes = sw["sizes"]
-        if not isinstance(raw_sizes, list) or not raw_sizes or \
-                any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in raw_sizes):
-            raise ConfigError("expected a list of integers >= 1", file=file, key="sweep.sizes",
-                              line=line_of(sw, "sizes"))
-        sizes = tuple(dict.fromkeys(raw_sizes))
+        cases.append(_load_case(c, i, cases, path, workdir))
+    sweep_case, sizes = _load_sweep(doc.get("sweep"), cases, file)
     return Suite(str(doc.get("name") or path.stem), cases, sweep_case, sizes)
+
+
+def _load_case(c, i: int, cases: list[Case], path: Path, workdir: Path) -> Case:
+    """Case `i` of a suite file (`cases`: the ones before it, whose names it may not repeat)."""
+    file, where = str(path), f"cases[{i}]"
+    check_keys(c, CASE_KEYS, file=file, where=where, required=("src", "dst"))
+    name = str(c.get("name") or f"case{i}")
+    if not re.fullmatch(r"[\w.+-]+", name):
+        raise ConfigError("a case name may use letters, digits and . _ + -", file=file, key=f"{where}.name",
+                          line=line_of(c, "name"))
+    if any(x.name == name for x in cases):
+        raise ConfigError(f"duplicate case name {name!r}", file=file, key=f"{where}.name", line=line_of(c, "name"))
+    scale = c.get("scale", 1)
+    if not isinstance(scale, int) or isinstance(scale, bool) or scale < 1:
+        raise ConfigError("must be an integer >= 1", file=file, key=f"{where}.scale", line=line_of(c, "scale"))
+    bucket = c.get("bucket_mb", 64.0)
+    if not isinstance(bucket, (int, float)) or isinstance(bucket, bool) or bucket <= 0:
+        raise ConfigError("must be a number > 0", file=file, key=f"{where}.bucket_mb",
+                          line=line_of(c, "bucket_mb"))
+    match = c.get("reshard_match")
+    if match is not None and not isinstance(match, str):
+        raise ConfigError("expected a regex", file=file, key=f"{where}.reshard_match",
+                          line=line_of(c, "reshard_match"))
+
+    def file_or_inline(key: str) -> Path | str:
+        return _file_or_inline(c, key, name, where, path, workdir)
+
+    return Case(name, file_or_inline("src"), file_or_inline("dst"), scale, float(bucket),
+                file_or_inline("topology") if c.get("topology") is not None else None, match)
+
+
+def _file_or_inline(c, key: str, name: str, where: str, path: Path, workdir: Path) -> Path | str:
+    """A case's `src:` / `dst:` / `topology:`: a path (relative to the suite file where that exists), a bundled
+    name, or an inline mapping (written into `workdir`)."""
+    import yaml
+
+    base, v = path.parent, c[key]
+    if isinstance(v, dict):
+        v = _plain(v)
+        model = v.get("model")
+        if isinstance(model, str) and model not in bundled_models() and not Path(model).is_absolute() \
+                and (base / model).exists():
+            v["model"] = str((base / model).resolve())
+        out = workdir / f"{path.stem}.{name}.{key}.yaml"
+        out.write_text(yaml.safe_dump(v, sort_keys=False))
+        return out
+    if not isinstance(v, str) or not v:
+        raise ConfigError("expected a YAML path, a bundled name or an inline mapping", file=str(path),
+                          key=f"{where}.{key}", line=line_of(c, key))
+    p = Path(v).expanduser()
+    if p.is_absolute():
+        return p
+    return base / p if (base / p).exists() else v  # else a bundled name, resolved when loaded
+
+
+def _load_sweep(sw, cases: list[Case], file: str) -> tuple[str | None, tuple[int, ...]]:
+    """A suite's `sweep:` (the case it repeats, the sizes), or (None, ()) without one."""
+    if sw is None:
+        return None, ()
+    check_keys(sw, ("case", "sizes"), file=file, where="sweep", required=("sizes",))
+    sweep_case = sw.get("case", cases[0].name)
+    if sweep_case not in [x.name for x in cases]:
+        raise ConfigError(f"no case named {sweep_case!r}", file=file, key="sweep.case", line=line_of(sw, "case"))
+    raw_sizes = sw["sizes"]
+    if not isinstance(raw_sizes, list) or not raw_sizes or \
+            any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in raw_sizes):
+        raise ConfigError("expected a list of integers >= 1", file=file, key="sweep.sizes",
+                          line=line_of(sw, "sizes"))
+    return sweep_case, tuple(dict.fromkeys(raw_sizes))
 
 
 def resolve(opts: BenchOptions, workdir: Path) -> Suite:
@@ -191,9 +206,6 @@ def sweep_cases(suite: Suite) -> list[Case]:
 
 def world_needed(suite: Suite) -> int:
     """Load every pair (validating it) and return the world size the job needs."""
-    from reshard_cli.formats import load_pair
-    from reshard_cli.layouts.topology import load_topology
-
     world = 0
     for c in suite.cases + [c for c in sweep_cases(suite) if c.scale != case_named(suite, c.name).scale]:
         src, dst = load_pair(c.src, c.dst, scale=c.scale)

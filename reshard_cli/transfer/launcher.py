@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
+from reshard_cli.transfer.agree import gather_failures, one_line
 
 T = TypeVar("T")
 
@@ -135,17 +136,18 @@ def process_group(backend: str, timeout: float) -> Iterator[torch.device]:
 
 def all_ok(stage: str, error: BaseException | None) -> None:
     """Collective: if any rank failed `stage`, every rank raises one error naming each failed rank."""
-    msg = None if error is None else f"{error}"
-    code = getattr(error, "exit_code", 1) if error is not None else 0
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (msg, code))
-    failed = [(r, m, c) for r, (m, c) in enumerate(gathered) if m is not None]
+    failed = gather_failures(_all_gather, None if error is None else f"{error}",
+                             exit_code=getattr(error, "exit_code", 1))
     if failed:
-        text = f"{stage} failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {m}" for r, m, _ in failed[:4])
-        if len(failed) > 4:
-            text += f"; ... {len(failed) - 4} more"
-        code = max(c for _, _, c in failed)
+        text, code = one_line(failed, stage=stage), max(f.exit_code for f in failed)
         raise RankFailure(text, code) if dist.get_rank() == 0 else Reported(text, code)
+
+
+def _all_gather(obj) -> list:
+    """Every rank's `obj` (the default group), in rank order."""
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 @contextmanager

@@ -28,11 +28,12 @@ from reshard_cli import formats
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.models import Manifest, TensorSpec
 from reshard_cli.plan.planner import Plan
-from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.transfer import verify
+from reshard_cli.transfer.agree import gather_failures, one_line
 from reshard_cli.transfer.comm import WORLD, GroupComm
 from reshard_cli.transfer.engine import Engine
+from reshard_cli.transfer.pipeline import build_engine, ready_plan, transfer_options
 from reshard_cli.transfer.shards import LocalShard
 
 
@@ -72,7 +73,7 @@ class Refit:
             self._src, self._dst = _as_layout(src), _as_layout(dst)
         self.topology = load_topology(topology) if isinstance(topology, (str, Path)) else (topology or NO_TOPOLOGY)
         self.mode, self.reshard_match = mode, reshard_match
-        self.options = TransferOptions(bucket_bytes=int(bucket_mb * (1 << 20)))
+        self.options = transfer_options(bucket_mb)
         self.device = torch.device(device) if device is not None else None
         self.plan: Plan | None = None
         self.engine: Engine | None = None
@@ -127,25 +128,27 @@ class Refit:
         overlap = set(src.ranks) & set(dst.ranks)
         if overlap:
             raise ConfigError(f"src and dst ranks overlap (rank {min(overlap)})", key="ranks")
-        self.plan = Plan(src, dst, self.topology, mode=self.mode, reshard_match=self.reshard_match,
-                         bucket_bytes=self.options.bucket_bytes)
-        # What this rank passed is checked against the plan before anything moves; every rank learns of any
-        # rank's mistake (one line, the same everywhere) instead of waiting for a peer that gave up.
-        error = None
-        try:
-            src_shards, dst_shards = self._shards(tensors)
-        except ConfigError as e:
-            error = str(e)
-        failed = next(((r, e) for r, e in enumerate(self.comm.all_gather_object(error)) if e), None)
-        if failed:
-            r, e = failed
-            raise ConfigError(e if r == self.rank else f"refit rank {r}: {e}")
+        self.plan = ready_plan(src, dst, self.topology, mode=self.mode, reshard_match=self.reshard_match,
+                               bucket_bytes=self.options.bucket_bytes)
+        src_shards, dst_shards = self._agreed_shards(tensors)
         device = self.device or next((s.data.device for s in (*src_shards.values(), *dst_shards.values())),
                                      torch.device("cpu"))
-        self.engine = Engine(self.plan, self.rank, src_shards, dst_shards, options=self.options, device=device,
-                             comm=self.comm)
+        self.engine = build_engine(self.plan, self.rank, src_shards, dst_shards, self.options, device,
+                                   comm=self.comm)
         self._bound = _storage_of(tensors)
-        self.engine.setup_groups()
+
+    def _agreed_shards(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+        """What this rank passed is checked against the plan before anything moves; every rank learns of any
+        rank's mistake (one line, the same everywhere) instead of waiting for a peer that gave up."""
+        error, shards = None, ({}, {})
+        try:
+            shards = self._shards(tensors)
+        except ConfigError as e:
+            error = str(e)
+        failed = gather_failures(self.comm.all_gather_object, error, exit_code=2)
+        if failed:
+            raise ConfigError(one_line(failed, me=self.rank, label="refit rank"))
+        return shards
 
     def _shards(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
         """Check what this rank passed against the plan and wrap it (views, no copies)."""

@@ -12,6 +12,9 @@ idle. A worker's steps, each its own function below:
   5. write   — rank files, then the manifest last and only when everything verified (`--out`)
   6. report  — rank 0 prints the table and returns the JSON twin
 
+Steps 1-4 are the shared pipeline's (`transfer.pipeline`, as `reshard bench` and `Refit` run them); what is
+this command's own is here: opening the source, the output directory, the table.
+
 When the destination layout names a running engine (`engine: {kind: vllm, url: ...}`), only the source ranks
 start, and the `push` the caller passes (`reshard_cli.engines.vllm.push`) moves the weights into the engine
 through its weight-transfer backend instead (steps 1, 3, 4 and 6 as above, the destination side done by the
@@ -23,10 +26,8 @@ with none.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -37,13 +38,15 @@ from reshard_cli.errors import ConfigError, RuntimeFailure
 from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.formats import load_pair
+from reshard_cli.hw import nvml
 from reshard_cli.layouts.topology import NO_TOPOLOGY, load_topology
 from reshard_cli.base import checksums
-from reshard_cli.transfer import launcher, verify
+from reshard_cli.base.text import fmt_bytes, table
+from reshard_cli.transfer import launcher, pipeline, verify
 from reshard_cli.transfer.dryrun import world_size
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.launcher import JobOptions, Reported
-from reshard_cli.transfer.shards import read_source_shards, sentinel_buffers
+from reshard_cli.transfer.results import RunReport
 
 
 @dataclass(kw_only=True)
@@ -62,7 +65,7 @@ class RunOptions(JobOptions):
     @property
     def transfer(self) -> TransferOptions:
         """The message schedule's options: from the command line, so identical on every rank."""
-        return TransferOptions(bucket_bytes=int(self.bucket_mb * (1 << 20)))
+        return pipeline.transfer_options(self.bucket_mb)
 
 
 class Hooks:
@@ -96,12 +99,13 @@ def launch_run(opts: RunOptions) -> None:
 # ------------------------------------------------------------------------------------------------ worker
 
 
-def worker(opts: RunOptions, push: Callable | None = None) -> dict | None:
-    """One rank of `reshard run`. Rank 0 returns the report (its `_text` is the table); others None.
+def worker(opts: RunOptions, push: Callable | None = None) -> RunReport | dict | None:
+    """One rank of `reshard run`. Rank 0 returns the report (a `RunReport`: the table, its JSON twin, whether
+    verification failed); others None.
 
     `push(opts, plan, rank, world, device)` moves the weights into a running engine when the destination layout
     names one (`engine: {url}`); the engine integrations above this layer provide it
-    (`reshard_cli.engines.vllm.push`)."""
+    (`reshard_cli.engines.vllm.push`), and return a `RunReport` (or a dict with `_text`, see `RunReport.of`)."""
     rank, world = launcher.rank_and_world()
     auto = opts.topology is not None and str(opts.topology) == "auto"  # discovered once the job is up
 
@@ -112,14 +116,14 @@ def worker(opts: RunOptions, push: Callable | None = None) -> dict | None:
                              f"dst {dst_l.ranks[0]}-{dst_l.ranks[-1]}"
                              f"{' in the engine at ' + dst_l.engine_url if dst_l.engine_url else ''})")
         topo = load_topology(opts.topology) if opts.topology and not auto else NO_TOPOLOGY
-        plan = Plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match,
-                    bucket_bytes=opts.transfer.bucket_bytes)
+        plan = pipeline.ready_plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match,
+                                   bucket_bytes=opts.transfer.bucket_bytes)
         return plan, launcher.pick_backend(opts.backend)
 
     plan, backend = launcher.prepare(validate)
     with launcher.process_group(backend, opts.timeout) as device:
         if auto:
-            plan = replace(plan, topology=_discover_topology(world))
+            plan = pipeline.with_topology(plan, _discover_topology(world))
         if plan.dst.engine_url:
             if push is None:
                 raise ConfigError(f"the destination is a running engine ({plan.dst.engine_url}) and no engine "
@@ -130,8 +134,6 @@ def worker(opts: RunOptions, push: Callable | None = None) -> dict | None:
 
 def _discover_topology(world: int):
     """--topology auto: ranks whose GPUs (or CPU host) report the same NVML domain key share a domain."""
-    from reshard_cli.hw import nvml
-
     key = None
     with launcher.collected("discovering the topology"):
         key = nvml.rank_domain_key(nvml.discover(), int(os.environ.get("LOCAL_RANK", "0")))
@@ -140,16 +142,12 @@ def _discover_topology(world: int):
     return nvml.domains_from_keys(keys)
 
 
-def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> dict | None:
+def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> RunReport | None:
     source, src_shards, dst_shards = load(opts, plan, rank, device)
-    bar = None
-    if rank == 0 and not opts.quiet and sys.stderr.isatty():
-        from tqdm import tqdm
-        bar = tqdm(total=0, unit="B", unit_scale=True, desc="refit", leave=False)
-    engine = Engine(plan, rank, src_shards, dst_shards, options=opts.transfer, device=device,
-                    progress=(lambda n: bar.update(n)) if bar else None)
-    engine.setup_groups()
-    link_gbps = _link_limit(plan, engine, rank, device) if opts.link_test else None
+    bar = _progress_bar(opts, rank)
+    engine = pipeline.build_engine(plan, rank, src_shards, dst_shards, opts.transfer, device,
+                                   progress=(lambda n: bar.update(n)) if bar else None)
+    link_gbps = pipeline.LinkLimit(engine, device).best_gbps() if opts.link_test else None
     if HOOKS is not None:
         HOOKS.before_transfer(rank)
     try:
@@ -159,20 +157,26 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
             bar.close()
     if HOOKS is not None:
         HOOKS.after_transfer(rank, dst_shards)
-    result = _verify(plan, rank, src_shards, dst_shards, source)
+    result = _verify(plan, rank, src_shards, dst_shards, source, device)
     staging = launcher.allreduce_int(engine.peak_staging_bytes)
     if opts.out is not None:
         _write_output(opts.out, plan, rank, world, dst_shards, result)
     if source is not None:
         source.close()
     if rank != 0:
-        if not result["ok"]:
+        if not result.ok:
             raise Reported("verification failed", 1)
         return None
-    report = _report(opts, plan, plan.stats(), seconds, result, staging, link_gbps, world, device)
-    if not result["ok"]:
-        report["_failed"] = True
-    return report
+    return _report(opts, plan, seconds, result, staging, link_gbps, world, device)
+
+
+def _progress_bar(opts: RunOptions, rank: int):
+    """Rank 0's progress bar on a terminal (None elsewhere, or with --quiet)."""
+    if rank != 0 or opts.quiet or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=0, unit="B", unit_scale=True, desc="refit", leave=False)
 
 
 def load(opts: RunOptions, plan: Plan, rank: int, device: torch.device):
@@ -187,53 +191,23 @@ def load(opts: RunOptions, plan: Plan, rank: int, device: torch.device):
             source = sources.open_source(opts.source if opts.source else plan.src.source, plan.src,
                                          base_dir=Path(plan.src.file).parent)
             source.check(plan.src, rank)
-            src_shards = read_source_shards(plan.src, rank, source, device)
-    dst_shards = sentinel_buffers(plan.dst, rank, device) if rank in plan.dst.ranks else {}
+            src_shards = pipeline.source_shards(plan.src, rank, source, device)
+    dst_shards = pipeline.destination_buffers(plan.dst, rank, device)
     return source, src_shards, dst_shards
-
-
-def _link_limit(plan: Plan, engine: Engine, rank: int, device: torch.device) -> float:
-    """Step 2: aggregate GB/s of the plan's traffic as raw concurrent send/recv (best of 3: the limit)."""
-    from reshard_cli.transfer.linktest import LinkTest
-
-    test = LinkTest(plan, engine.view.pieces, rank, device)
-    total = launcher.allreduce_int(test.sent_bytes, dist.ReduceOp.SUM)
-    best = None
-    for _ in range(3):
-        launcher.sync(device)
-        t0 = time.perf_counter()
-        test.run_once()
-        launcher.sync(device)
-        dt = time.perf_counter() - t0
-        best = dt if best is None else min(best, dt)
-    return total / best / 1e9 if total and best else 0.0
 
 
 def _move(engine: Engine, plan: Plan, iters: int, device: torch.device) -> dict[str, float]:
     """Step 3: the reshard path, then the broadcast path, each timed between barriers; the median over runs
     after the first (warm-up) of the slowest rank's time."""
-    times: dict[str, list[float]] = {"reshard": [], "broadcast": []}
-    has = {p: any(x == p for x in plan.paths) for p in times}
+    measures = [pipeline.Measure(path, fn) for path, fn in (("reshard", engine.run_reshard),
+                                                            ("broadcast", engine.run_broadcast))
+                if path in plan.paths]
     try:
-        for _ in range(max(iters, 1)):
-            for path, fn in (("reshard", engine.run_reshard), ("broadcast", engine.run_broadcast)):
-                if not has[path]:
-                    continue
-                launcher.sync(device)
-                t0 = time.perf_counter()
-                fn()
-                launcher.sync(device)
-                times[path].append(time.perf_counter() - t0)
+        pipeline.rounds(measures, max(iters, 1), device, rotate=False, drop_first=False)
     except Exception as e:  # a peer died or the network failed: name this rank and what it saw
         raise RuntimeFailure(f"rank {engine.rank}: transfer failed: {_short(e)}") from e
-    seconds = {}
-    for path, ts in times.items():
-        if ts:
-            t = torch.tensor(ts, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            vals = t.tolist()
-            seconds[path] = statistics.median(vals[1:] if len(vals) > 1 else vals)
-    return seconds
+    return {m.name: pipeline.median(ts[1:] if len(ts) > 1 else ts)
+            for m, ts in zip(measures, pipeline.slowest(measures))}
 
 
 def _short(e: BaseException) -> str:
@@ -244,35 +218,52 @@ def _short(e: BaseException) -> str:
     return text.split(". This is typically", 1)[0]
 
 
-def _verify(plan: Plan, rank: int, src_shards: dict, dst_shards: dict, source) -> dict:
+@dataclass
+class RankCheck:
+    """What one destination rank found (gathered to every rank)."""
+
+    rank: int
+    mismatched: list  # tensors whose checksum differs from the sources'
+    wrong: dict  # tensor -> elements that differ from the exact values (synthetic source only)
+    checksum: int  # of everything the rank holds
+    tensors: int
+    bytes: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched and not self.wrong
+
+
+@dataclass
+class Verified:
+    ok: bool  # every destination rank's shards are right
+    ranks: list  # RankCheck per destination rank
+    dst_checksums: dict  # this rank's checksum per tensor
+    exact: bool  # the values were compared exactly too (a synthetic source), not only by checksum
+
+
+def _verify(plan: Plan, rank: int, src_shards: dict, dst_shards: dict, source, device: torch.device) -> Verified:
     """Step 4: per (tensor, dst rank), the sources' checksum of that box vs the destination's checksum; with a
     synthetic source also every element against the value it must have."""
-    from reshard_cli.io.sources import SyntheticSource, synthetic_values
+    from reshard_cli.io.sources import SyntheticSource
 
-    man = plan.src.manifest.tensors
     synth = (isinstance(source, SyntheticSource), getattr(source, "seed", 0)) if source is not None else None
     actual, mismatched, extras = verify.mismatched_checksums(plan, rank, src_shards, dst_shards, synth)
     synthetic = next((x for x in extras if x is not None), None)
     exact = bool(synthetic and synthetic[0])
     wrong: dict[int, int] = {}
     if exact:
-        for t, sh in dst_shards.items():
-            if sh.box.numel:
-                n = checksums.count_differing(sh.data, synthetic_values(t, sh.box, man[t].shape, sh.data.dtype,
-                                                                     synthetic[1]))
-                if n:
-                    wrong[t] = n
-    mine = {"rank": rank, "mismatched": mismatched, "wrong": wrong,
-            "checksum": checksums.combine(actual.values()), "tensors": len(actual),
-            "bytes": sum(sh.data.numel() * sh.data.element_size() for sh in dst_shards.values())}
+        expected = pipeline.Expected(plan.src.manifest.tensors, dst_shards, device, seed=synthetic[1], cache_bytes=0)
+        wrong = expected.wrong_by_tensor({t: sh.data for t, sh in dst_shards.items()})
+    mine = RankCheck(rank, mismatched, wrong, checksums.combine(actual.values()), len(actual),
+                     sum(sh.data.numel() * sh.data.element_size() for sh in dst_shards.values()))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine if rank in plan.dst.ranks else None)
     ranks = [e for e in everyone if e is not None]
-    ok = all(not e["mismatched"] and not e["wrong"] for e in ranks)
-    return {"ok": ok, "ranks": ranks, "dst_checksums": actual, "exact": exact}
+    return Verified(all(e.ok for e in ranks), ranks, actual, exact)
 
 
-def _write_output(out: Path, plan: Plan, rank: int, world: int, dst_shards: dict, result: dict) -> None:
+def _write_output(out: Path, plan: Plan, rank: int, world: int, dst_shards: dict, result: Verified) -> None:
     """Step 5: every destination rank writes its file; rank 0 writes the manifest last, only if all verified."""
     from reshard_cli.io import sinks
 
@@ -285,27 +276,34 @@ def _write_output(out: Path, plan: Plan, rank: int, world: int, dst_shards: dict
             entry = {"index": idx, "rank": rank, "tensors": {
                 man[t].name: {"shape": list(man[t].shape), "offsets": list(sh.box.offsets),
                               "local_shape": list(sh.box.sizes), "dtype": man[t].dtype,
-                              "checksum": checksums.fmt(result["dst_checksums"][t])}
+                              "checksum": checksums.fmt(result.dst_checksums[t])}
                 for t, sh in dst_shards.items()}}
     entries: list = [None] * world
     dist.all_gather_object(entries, entry)
-    if rank == 0 and result["ok"]:
+    if rank == 0 and result.ok:
         sinks.write_manifest(out, sinks.build_manifest(plan.src, plan.dst, [e for e in entries if e]))
 
 
-def _report(opts, plan, stats, seconds, result, staging, link_gbps, world, device) -> dict:
-    """Step 6 (rank 0): the nccl-tests-like table and its JSON twin."""
-    from reshard_cli.base.text import fmt_bytes, table
+# ------------------------------------------------------------------------------------------------ report
 
-    man = plan.src.manifest.tensors
-    path_of = plan.paths
+
+def _report(opts, plan, seconds, result: Verified, staging, link_gbps, world, device) -> RunReport:
+    """Step 6 (rank 0): the nccl-tests-like table and its JSON twin."""
+    stats = plan.stats()
+    paths = _path_figures(plan, stats, seconds, result)
+    doc = _run_doc(opts, plan, stats, paths, result, staging, link_gbps, world, device)
+    return RunReport(_run_text(opts, plan, stats, doc, result, world), doc, failed=not result.ok)
+
+
+def _path_figures(plan: Plan, stats: dict, seconds: dict, result: Verified) -> dict:
+    """Per path that carries tensors: its bytes, time, rates and wrong elements (+ differing checksums)."""
     wrong_by_path = {"reshard": 0, "broadcast": 0}
     mism_by_path = {"reshard": 0, "broadcast": 0}
-    for e in result["ranks"]:
-        for t, n in e["wrong"].items():
-            wrong_by_path[path_of[t]] += n
-        for t in e["mismatched"]:
-            mism_by_path[path_of[t]] += 1
+    for e in result.ranks:
+        for t, n in e.wrong.items():
+            wrong_by_path[plan.paths[t]] += n
+        for t in e.mismatched:
+            mism_by_path[plan.paths[t]] += 1
     ps = stats["path_stats"]
     paths = {}
     for p in ("reshard", "broadcast"):
@@ -317,8 +315,13 @@ def _report(opts, plan, stats, seconds, result, staging, link_gbps, world, devic
                     "gbps": ps[p]["bytes"] / sec / 1e9 if sec else 0.0,
                     "wire_gbps": ps[p]["wire_bytes"] / sec / 1e9 if sec else 0.0,
                     "wrong": wrong_by_path[p] + mism_by_path[p], "checksum_mismatches": mism_by_path[p]}
+    return paths
+
+
+def _run_doc(opts, plan, stats, paths, result: Verified, staging, link_gbps, world, device) -> dict:
+    """The JSON twin of the table (`--json`): built here only."""
     total_s = sum(v["seconds"] for v in paths.values())
-    doc = {
+    return {
         "mode": plan.mode, "src": plan.src.name, "dst": plan.dst.name, "model": plan.src.manifest.name,
         "world": world, "backend": dist.get_backend(), "device": device.type, "iters": opts.iters,
         "bucket_bytes": opts.transfer.bucket_bytes,
@@ -326,16 +329,22 @@ def _report(opts, plan, stats, seconds, result, staging, link_gbps, world, devic
         "wire_bytes": stats["wire_bytes"],
         "wire_gbps": stats["wire_bytes"] / total_s / 1e9 if total_s else 0.0,
         "wrong": sum(v["wrong"] for v in paths.values()),
-        "verified": "exact values + checksums" if result["exact"] else "checksums",
+        "verified": "exact values + checksums" if result.exact else "checksums",
         "peak_staging_bytes": staging,
         "link_limit_gbps": link_gbps,
         "paths": paths,
-        "checksums": {str(e["rank"]): checksums.fmt(e["checksum"]) for e in result["ranks"]},
+        "checksums": {str(e.rank): checksums.fmt(e.checksum) for e in result.ranks},
     }
+
+
+def _run_text(opts, plan, stats, doc: dict, result: Verified, world: int) -> str:
+    """The nccl-tests-like table, from the JSON twin."""
+    paths, link_gbps = doc["paths"], doc["link_limit_gbps"]
     rows = [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),
              f"{v['seconds'] * 1e3:.1f}", f"{v['gbps']:.2f}", v["wrong"]] for p, v in paths.items()]
     rows.append(["all", stats["tensors"], fmt_bytes(stats["bytes"]), fmt_bytes(stats["wire_bytes"]),
-                 fmt_bytes(stats["indomain_bytes"]), f"{total_s * 1e3:.1f}", f"{doc['gbps']:.2f}", doc["wrong"]])
+                 fmt_bytes(stats["indomain_bytes"]), f"{doc['seconds'] * 1e3:.1f}", f"{doc['gbps']:.2f}",
+                 doc["wrong"]])
     lines = [f"reshard run: {plan.src.manifest.name}  {plan.src.name} ({plan.src.size} ranks) -> {plan.dst.name} "
              f"({plan.dst.size} ranks)  mode {plan.mode}  backend {doc['backend']}  world {world}"
              f"  iters {opts.iters} (median{' after warm-up' if opts.iters > 1 else ''})",
@@ -343,19 +352,18 @@ def _report(opts, plan, stats, seconds, result, staging, link_gbps, world, devic
     if link_gbps:
         lines.append(f"  link limit {link_gbps:.2f} GB/s (raw concurrent send/recv, same pairs); refit wire rate "
                      f"{doc['wire_gbps']:.2f} GB/s = {100 * doc['wire_gbps'] / link_gbps:.0f} % of it")
-    lines.append(f"  peak staging {fmt_bytes(staging)} per rank (bucket {fmt_bytes(doc['bucket_bytes'])})")
+    lines.append(f"  peak staging {fmt_bytes(doc['peak_staging_bytes'])} per rank "
+                 f"(bucket {fmt_bytes(doc['bucket_bytes'])})")
     lines.append(f"  verified by {doc['verified']}:")
-    for e in result["ranks"]:
-        state = "ok" if not e["mismatched"] and not e["wrong"] else \
-            f"WRONG ({len(e['mismatched'])} tensors differ, {sum(e['wrong'].values())} elements)"
-        lines.append(f"    rank {e['rank']:>5}  {e['tensors']:>6} tensors  {fmt_bytes(e['bytes']):>10}  "
-                     f"checksum {checksums.fmt(e['checksum'])}  {state}")
-    if not result["ok"]:
-        bad = next(e for e in result["ranks"] if e["mismatched"] or e["wrong"])
-        t = (bad["mismatched"] or list(bad["wrong"]))[0]
-        lines.append(f"  FAILED: rank {bad['rank']} tensor {man[t].name} is wrong")
-    doc["_text"] = "\n".join(lines)
-    return doc
+    for e in result.ranks:
+        state = "ok" if e.ok else f"WRONG ({len(e.mismatched)} tensors differ, {sum(e.wrong.values())} elements)"
+        lines.append(f"    rank {e.rank:>5}  {e.tensors:>6} tensors  {fmt_bytes(e.bytes):>10}  "
+                     f"checksum {checksums.fmt(e.checksum)}  {state}")
+    if not result.ok:
+        bad = next(e for e in result.ranks if not e.ok)
+        t = (bad.mismatched or list(bad.wrong))[0]
+        lines.append(f"  FAILED: rank {bad.rank} tensor {plan.src.manifest.tensors[t].name} is wrong")
+    return "\n".join(lines)
 
 
-__all__ = ["RunOptions", "Hooks", "HOOKS", "launch_run", "worker"]
+__all__ = ["RunOptions", "Hooks", "HOOKS", "launch_run", "worker", "load", "RunReport"]

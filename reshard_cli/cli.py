@@ -227,8 +227,6 @@ def topo(
     """Show this host's GPUs and NVLink domains (NVML); under torchrun, every host of the job."""
     import yaml
 
-    from reshard_cli.hw.bandwidth import topo_text
-
     def write(path: Path, fn) -> None:
         try:
             fn(path)
@@ -241,14 +239,14 @@ def topo(
         job = job_topology(bandwidth=bandwidth, mb=bandwidth_mb)
         if job is None:  # not rank 0
             return
-        typer.echo(job["_text"])
+        typer.echo(job.text)
         if json_out:
-            write(json_out, lambda p: write_json(p, {k: v for k, v in job.items() if not k.startswith("_")}))
+            write(json_out, lambda p: write_json(p, job.doc))
         if yaml_out:
-            write(yaml_out, lambda p: p.write_text(yaml.safe_dump(job["_topology"].to_yaml_dict(), sort_keys=False)))
+            write(yaml_out, lambda p: p.write_text(yaml.safe_dump(job.topology.to_yaml_dict(), sort_keys=False)))
         return
     d = nvml.discover()
-    typer.echo(topo_text(d), nl=False)
+    typer.echo(nvml.topo_text(d), nl=False)
     doc = nvml.to_json(d)
     if bandwidth:
         from reshard_cli.hw.bandwidth import bandwidth_table, measure

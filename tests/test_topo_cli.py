@@ -66,7 +66,7 @@ def test_topo_bandwidth_on_cpu(no_driver, monkeypatch, capsys, tmp_path):
 def test_fake_dgx_h100_render_and_yaml(tmp_path):
     fake = FakeNvml.load("dgx-h100.yaml")
     d = discover(fake, host=fake.host())
-    from reshard_cli.hw.bandwidth import topo_text
+    from reshard_cli.hw.nvml import topo_text
     text = topo_text(d)
     assert text == render(d) and "driver 550.54.15" in text.splitlines()[0]
     assert "NV18" in text and "host:dgx01:nvswitch" in text

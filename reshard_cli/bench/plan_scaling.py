@@ -8,6 +8,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from reshard_cli.formats import load_pair
+from reshard_cli.layouts import models
+from reshard_cli.plan.planner import Plan, no_gc
+
 # Bundled trainer -> inference pairs (as examples/bench_plan.py) and synthetic layouts for plan scaling:
 # (ranks per side, layers, experts) of a qwen3-MoE-shaped config; tensors ~= layers * (3 * experts + 10).
 PLAN_PAIRS = [
@@ -37,10 +41,6 @@ def plan_scaling(say: Callable[[str], None] | None = None) -> list[dict]:
 
 
 def _time_plan(name: str, src: Path | str, dst: Path | str, mode: str = "reshard") -> dict:
-    from reshard_cli.layouts import models
-    from reshard_cli.formats import load_pair
-    from reshard_cli.plan.planner import Plan, no_gc
-
     models._CACHE.clear()  # cold, as a fresh `reshard plan`
     t0 = time.perf_counter()
     with no_gc():  # as `reshard plan` loads them (stats() pauses the collector itself)

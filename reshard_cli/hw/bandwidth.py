@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -23,6 +24,7 @@ from reshard_cli.base.ports import free_port
 from reshard_cli.base.text import fmt_bytes, table
 from reshard_cli.errors import ReshardError
 from reshard_cli.hw import nvml
+from reshard_cli.layouts.topology import Topology
 from reshard_cli.layouts.yamlio import format_ranks
 
 REPEATS = 5        # copies: best of this many
@@ -142,19 +144,18 @@ def bandwidth_table(rows: list[dict]) -> str:
 # ------------------------------------------------------------------------------------------------ rendering
 
 
-def topo_text(d) -> str:
-    """`nvml.render(d)`; without NVML, first a line saying so, then the CPU host as one domain."""
-    text = nvml.render(d)
-    if not d.gpus and d.nvml_error:
-        text = d.nvml_error + "\n" + text.replace(f", {d.nvml_error}\n", "\n", 1)
-    return text
+@dataclass(frozen=True)
+class JobTopology:
+    """What `reshard topo` under torchrun shows: the text, the JSON twin (world, hosts [{hostname, ranks,
+    discovery, bandwidth}], keys per global rank, topology as YAML dict) and the Topology itself."""
+
+    text: str
+    doc: dict
+    topology: Topology
 
 
-def job_topology(*, bandwidth: bool = False, mb: int = 256) -> dict | None:
-    """Under torchrun: every rank reports its discovery; rank 0 returns the job (others None).
-
-    Keys: world, hosts [{hostname, ranks, discovery, bandwidth}], keys (per global rank), topology (the YAML
-    dict); `_text` (what to print) and `_topology` (a Topology) for the CLI."""
+def job_topology(*, bandwidth: bool = False, mb: int = 256) -> JobTopology | None:
+    """Under torchrun: every rank reports its discovery; rank 0 returns the job (others None)."""
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -170,7 +171,7 @@ def job_topology(*, bandwidth: bool = False, mb: int = 256) -> dict | None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     try:
         mine = {"rank": rank, "local_rank": local, "hostname": d.host.hostname, "key": key, "error": error,
-                "discovery": nvml.to_json(d), "text": topo_text(d), "bandwidth": rows}
+                "discovery": nvml.to_json(d), "text": nvml.topo_text(d), "bandwidth": rows}
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
     finally:
@@ -182,9 +183,7 @@ def job_topology(*, bandwidth: bool = False, mb: int = 256) -> dict | None:
     topology = nvml.domains_from_keys(keys)
     doc = {"world": world, "keys": keys, "topology": topology.to_yaml_dict(),
            "hosts": [{k: v for k, v in h.items() if k != "text"} for h in hosts.values()]}
-    doc["_text"] = _job_text(world, hosts, topology)
-    doc["_topology"] = topology
-    return doc
+    return JobTopology(_job_text(world, hosts, topology), doc, topology)
 
 
 def _hosts(everyone: list[dict]) -> dict[str, dict]:
@@ -220,4 +219,4 @@ def _job_text(world: int, hosts: dict[str, dict], topology) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["measure", "memcpy_row", "gpu_rows", "process_row", "bandwidth_table", "topo_text", "job_topology"]
+__all__ = ["measure", "memcpy_row", "gpu_rows", "process_row", "bandwidth_table", "JobTopology", "job_topology"]

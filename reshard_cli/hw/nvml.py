@@ -33,10 +33,11 @@ from reshard_cli.errors import ConfigError
 from reshard_cli.layouts.topology import Topology
 from reshard_cli.layouts.yamlio import format_ranks
 
+
 __all__ = [
     "Link", "Gpu", "HostInfo", "Discovery",
     "discover", "host_info", "normalize_bus_id", "format_cpu_list",
-    "render", "to_json", "to_topology", "domains_from_keys", "rank_domain_key", "cpu_key",
+    "render", "topo_text", "to_json", "to_topology", "domains_from_keys", "rank_domain_key", "cpu_key",
 ]
 
 
@@ -567,6 +568,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in rows]
+
+
+def topo_text(d) -> str:
+    """`render(d)`; without NVML, first a line saying so, then the CPU host as one domain."""
+    text = render(d)
+    if not d.gpus and d.nvml_error:
+        text = d.nvml_error + "\n" + text.replace(f", {d.nvml_error}\n", "\n", 1)
+    return text
 
 
 def to_json(d: Discovery) -> dict:

@@ -1,8 +1,11 @@
 """Executing a plan over torch.distributed.
 
-launcher (one way to start or join a torchrun job; errors gathered from every rank into one line) ·
-shards (local shards; sentinel-filled destination buffers) · engine (runs a rank's schedule) · verify
-(position-aware checksums, exact comparison) · linktest (the plan's traffic as raw send/recv) · run
-(`reshard run`'s worker, step by step) · live (`Refit`, the API for running trainer and inference processes)
-· dryrun (torchrun command lines and the rank map, without torch).
+comm (the default group or a refit group of its own) · agree (every rank raises the same one-line error) ·
+launcher (one way to start or join a torchrun job; a stage's errors gathered from every rank into one line) ·
+shards (local shards; sentinel-filled destination buffers) · engine (runs a rank's schedule) · linktest (the
+plan's traffic as raw send/recv) · verify (each destination shard's checksum against the sources') ·
+pipeline (the steps `run`, `bench` and `Refit` share: plan, shards, engine, link limit, timed rounds, exact
+expected values) · run (`reshard run`'s worker) · results (what a worker hands the CLI) · live (`Refit`, the
+API for running trainer and inference processes) · dryrun (torchrun command lines and the rank map, without
+torch).
 """

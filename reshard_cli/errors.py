@@ -1,7 +1,7 @@
 """Typed errors. The CLI turns each into one line on stderr and the error's exit code.
 
 User mistakes (bad YAML, mismatched models, missing files) exit 2 and say where: `file:line: key: message`,
-with a did-you-mean for an unknown key (`spec/yamlio.py`); failures while running (a dead rank, a wrong byte)
+with a did-you-mean for an unknown key (`layouts/yamlio.py`); failures while running (a dead rank, a wrong byte)
 exit 1 and name the rank. In a multi-rank run every rank's error is gathered into that one line
 (`transfer/launcher.py`), so a 256-rank failure never becomes 256 tracebacks.
 """

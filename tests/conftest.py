@@ -107,3 +107,68 @@ def call_main(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:
     out = capsys.readouterr()
     code = info.value.code if isinstance(info.value.code, int) else (0 if info.value.code is None else 1)
     return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+# ------------------------------------------------------------------------------------------------ test tiers
+# Markers (registered in pyproject.toml) assigned here, by test module and, where a module is mixed, by test
+# name, so the test files stay as they are. `python -m pytest -q -m "not slow"` is the quick tier.
+#   slow          seconds to minutes each: processes, engines, a wheel build, the largest plans
+#   vllm          uses vLLM's CPU build: real engines (all slow), or only its symbols (test_vllm_contract)
+#   megatron      needs megatron-core and mbridge (real Megatron trainers)
+#   multiprocess  starts cooperating processes: gloo process groups, torchrun jobs, vLLM engines
+# A test marked in its own file (tests/test_docs.py) keeps those marks too. Renaming a test listed below means
+# renaming it here, or it silently joins the quick tier.
+import re  # noqa: E402
+
+_VLLM = ("slow", "vllm", "multiprocess")
+_PROCS = ("slow", "multiprocess")
+
+TIER_MODULES: dict[str, tuple[str, ...]] = {
+    "test_vllm_engine": _VLLM,
+    "test_vllm_format": _VLLM,
+    "test_vllm_refit": _VLLM,
+    "test_vllm_serve": _VLLM,
+    "test_vllm_contract": ("vllm",),  # vLLM's symbols, no engine: seconds
+    "test_transport": _PROCS,  # every mode on gloo process groups
+    "test_run": _PROCS,  # `reshard run` under torchrun
+}
+
+# module -> [(regex matched at the start of the test's name, parameters included, markers)]; first match wins
+TIER_TESTS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "test_api": [(r"test_yaml_layouts_plain_tensors|test_live_refit_example|test_refit_over_its_own_group",
+                  _PROCS)],
+    "test_auto": [(r"test_auto_refit_is_exact", _PROCS)],
+    "test_bench": [(r"test_bench_demo_pair_end_to_end", _PROCS)],
+    # the generator's blocks for every dtype: bf16, fp32, fp16 and fp8 stay in the quick tier
+    "test_check": [(r"test_fast_synthetic_values_are_the_generator_s\[torch\.(float64|int8|int32|int64|uint8|bool)\]",
+                    ("slow",))],
+    # the cost model on the large bundled pairs (seconds each); demo and Qwen3 stay in the quick tier
+    "test_cost": [(r"test_(lower_bound_below_every_mode|auto_never_slower_than_a_fixed_mode)"
+                   r"\[(deepseek-v3|kimi-k2|moe-2\.4t)-", ("slow",))],
+    "test_launchers": [(r"test_local_script_runs_the_demo", _PROCS)],
+    "test_packaging": [(r"test_wheel_installs_and_plans_bundled_layouts_outside_the_clone", ("slow",))],
+    "test_sources": [(r"test_dcp_dtensor_checkpoint", _PROCS)],  # also needs RESHARD_SLOW_TESTS=1
+    "test_topo_cli": [(r"test_run_topology_auto_then_check|test_topo_under_torchrun", _PROCS)],
+    "test_megatron": [
+        (r"test_megatron_into_a_running_vllm_engine", ("slow", "megatron", "vllm", "multiprocess")),
+        (r"test_live_megatron_refit|test_torch_dist_checkpoint|test_a_running_model_that_differs",
+         ("slow", "megatron", "multiprocess")),
+    ],
+}
+
+
+def tier_markers(module: str, test: str) -> tuple[str, ...]:
+    """The markers of test `test` (its name, parameters included) in module `module` (its file name's stem)."""
+    marks = list(TIER_MODULES.get(module, ()))
+    for pattern, extra in TIER_TESTS.get(module, ()):
+        if re.match(pattern, test):
+            marks += extra
+            break
+    return tuple(dict.fromkeys(marks))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = Path(str(item.fspath)).stem
+        for name in tier_markers(module, item.name):
+            item.add_marker(getattr(pytest.mark, name))

@@ -1,3 +1,3 @@
 """Where the bytes come from and go to: sources (synthetic, safetensors, shard directories, DCP with a
-restricted unpickler), sinks (one safetensors file per destination rank, manifest written last and atomically),
-check (`reshard check`), files (atomic writes)."""
+restricted unpickler, Megatron torch_dist), sinks (one safetensors file per destination rank, manifest written
+last and atomically), mapped (rank files and checkpoints as raw-bits numpy views), check (`reshard check`)."""

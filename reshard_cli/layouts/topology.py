@@ -10,7 +10,7 @@ YAML (`reshard plan --topology FILE`):
       nvlink_gbps: 450           # per rank, per direction, inside a domain, GB/s
       latency_us: 10             # per message
 
-Discovery through NVML lives in `nvml.py`; it produces the same `Topology`.
+Discovery through NVML lives in `reshard_cli/hw/nvml.py`; it produces the same `Topology`.
 """
 from __future__ import annotations
 

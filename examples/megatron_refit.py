@@ -286,7 +286,7 @@ def trainer_engine(model, doc: dict, rank: int, paths: dict, client):
     import yaml
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from reshard_cli.engines.vllm import backend as vb
+    from reshard_cli.engines import vllm as vb
 
     vb.register()
     info = vb.ReshardTrainerInitInfo(
@@ -309,7 +309,7 @@ def run_vllm_case(name: str, root: str, vllm_tp: int) -> dict:
     import vllm_refit as vr
 
     from reshard_cli.base.ports import free_port
-    from reshard_cli.engines.vllm.backend import LLMClient
+    from reshard_cli.engines.vllm.clients import LLMClient
 
     case = CASES[name]
     base = os.path.join(root, f"{name}-vllm-tp{vllm_tp}")

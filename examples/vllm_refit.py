@@ -3,7 +3,7 @@ its weights into a running vLLM engine through the `reshard` weight-transfer bac
 against vLLM's own loader: the trainer saves the same weights with transformers' `save_pretrained`, a fresh
 vLLM engine loads that checkpoint itself, and greedy tokens and logprobs must be identical, bit for bit.
 (A fresh engine, not vLLM's in-place `reload_weights`: on the CPU build that leaves MoE experts in the wrong
-layout, see `_repack_experts` in reshard_cli/transfer/vllm_backend.py.) At the end the same refit runs the way vLLM's built-in backends do it (full tensors to every worker, then
+layout, see `repack_experts` in reshard_cli/engines/vllm/cpu_repairs.py.) At the end the same refit runs the way vLLM's built-in backends do it (full tensors to every worker, then
 `load_weights`), over the same gloo group, for time and bytes side by side.
 
     python examples/vllm_refit.py                                   # Qwen3-MoE and Qwen3 (tied), TP1 and TP2
@@ -147,7 +147,7 @@ def src_layout(model_dir: str) -> str:
 def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path: str):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from reshard_cli.engines.vllm import backend as vb
+    from reshard_cli.engines import vllm as vb
 
     vb.register()
     info = vb.ReshardTrainerInitInfo(
@@ -229,7 +229,7 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> 
     import torch.multiprocessing as mp
 
     from reshard_cli.base.ports import free_port
-    from reshard_cli.engines.vllm.backend import LLMClient
+    from reshard_cli.engines.vllm.clients import LLMClient
 
     model_dir = make_model(kind, root)
     ports = {"trainer": free_port(), "reshard": free_port(), "full": free_port()}

@@ -1,8 +1,8 @@
-"""The refit group's handshake (transfer.vllm_backend.handshake) without processes: a scripted peer."""
+"""The refit group's handshake (engines/vllm/handshake.py) without processes: a scripted peer."""
 import pytest
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.engines.vllm.backend import handshake
+from reshard_cli.engines.vllm.handshake import handshake
 
 
 class Peer:

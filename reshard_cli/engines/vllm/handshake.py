@@ -1,0 +1,67 @@
+"""What both sides of a refit group share before a byte moves: the two layouts from the YAML text the init
+info carries, and the handshake in which every trainer rank and every vLLM worker agree on the model (or on
+one rank's error). Needs no vLLM."""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import Mapping
+
+from reshard_cli.errors import ConfigError
+from reshard_cli.formats import load_layout, load_pair
+from reshard_cli.transfer.agree import Failure, one_line
+
+
+def digest(layout=None, tensors: Mapping | None = None) -> list | None:
+    """A model as sorted (name, global shape, dtype) triples: from a layout, or from DTensors' global shapes."""
+    if layout is not None:
+        return sorted((t.name, tuple(t.shape), t.dtype) for t in layout.manifest.tensors)
+    if tensors is not None:
+        return sorted((n, tuple(x.shape), str(x.dtype).removeprefix("torch.")) for n, x in tensors.items())
+    return None
+
+
+def handshake(comm, role: str, model, error: str | None) -> None:
+    """Collective over the refit group: every rank says its role, a hash of its model (None: derived from
+    DTensors later) and whether its own checks passed. Every rank raises the same one-line ConfigError if any
+    failed or two models differ, so no side waits for a transfer that will not come. Only when the hashes
+    differ do the ranks exchange the models themselves, to name the first difference."""
+    mine = hashlib.sha256(repr(model).encode()).hexdigest() if model is not None else None
+    everyone = comm.all_gather_object({"role": role, "model": mine, "error": error})
+    failures = [Failure(r, x["error"], 2, x["role"]) for r, x in enumerate(everyone) if x["error"]]
+    if failures:
+        raise ConfigError(one_line(failures, label="refit rank"))
+    if len({x["model"] for x in everyone if x["model"] is not None}) < 2:
+        return
+    models = [(r, m) for r, m in enumerate(comm.all_gather_object(model)) if m is not None]
+    r0, m0 = models[0]
+    for r, m in models[1:]:
+        if m != m0:
+            raise ConfigError(f"refit ranks {r0} ({everyone[r0]['role']}) and {r} ({everyone[r]['role']}) have "
+                              f"different models: {_first_difference(m0, m)}", key="model")
+
+
+def _first_difference(m0: list, m: list) -> str:
+    a, b = {n: (s, d) for n, s, d in m0}, {n: (s, d) for n, s, d in m}
+    missing = sorted(set(a) ^ set(b))
+    if missing:
+        return f"{missing[0]!r} is in one model only"
+    return next(f"{n}: {list(a[n][0])} {a[n][1]} vs {list(b[n][0])} {b[n][1]}" for n in a if a[n] != b[n])
+
+
+def layouts(src_text: str, dst_text: str, trainer_size: int = 0):
+    """The two layouts from YAML text (src may be empty: read from DTensors at the first refit; the engine's
+    ranks then start after the trainer's `trainer_size` unless its layout says otherwise)."""
+    with tempfile.TemporaryDirectory(prefix="reshard-vllm-") as tmp:
+        paths = {}
+        for name, text in (("src.yaml", src_text), ("dst.yaml", dst_text)):
+            if text:
+                paths[name] = os.path.join(tmp, name)
+                with open(paths[name], "w") as f:
+                    f.write(text)
+        if "dst.yaml" not in paths:
+            raise ConfigError("the engine's layout (dst) is empty", key="dst")
+        if "src.yaml" in paths:
+            return load_pair(paths["src.yaml"], paths["dst.yaml"])
+        return None, load_layout(paths["dst.yaml"], first_rank=trainer_size)

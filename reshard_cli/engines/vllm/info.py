@@ -1,0 +1,43 @@
+"""The `reshard` backend's init and update info: what vLLM parses from the init / update calls' dicts (worker
+side), and what the trainer passes to `WeightTransferTrainerFactory.trainer_init`. Importing it needs vLLM."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from reshard_cli.engines.vllm import compat
+
+BACKEND = "reshard"
+_api = compat.transfer_api()
+
+
+@dataclass
+class ReshardInitInfo(_api.WeightTransferInitInfo):
+    host: str
+    port: int
+    world_size: int  # trainer ranks + the engine's workers, the ranks the layouts name
+    dst: str  # the engine's layout, YAML text, `format: vllm`; its i-th rank is vLLM worker i
+    src: str = ""  # the trainer's layout, YAML text; empty: read from the trainer's DTensors
+    trainer_size: int = 0  # with no src: the trainer's ranks (the engine's ranks follow them)
+    timeout: float = 300.0
+    bucket_mb: float = 64.0
+    path: str = "reshard"  # or "full": the baseline (full tensors to every worker, then load_weights)
+
+
+@dataclass
+class ReshardUpdateInfo(_api.WeightTransferUpdateInfo):
+    verify: bool = True
+
+
+@dataclass
+class ReshardTrainerInitInfo(_api.TrainerInitInfo):
+    backend: ClassVar[str] = BACKEND
+    host: str = "127.0.0.1"
+    port: int = 0
+    dst: str = ""  # the engine's layout, YAML text (`format: vllm`, ranks after the trainer's)
+    src: str = ""  # the trainer's layout, YAML text; empty: read from the DTensors the source gives
+    world_size: int = 0  # 0: the trainer's size (torch.distributed) + the engine's ranks
+    timeout: float = 300.0
+    bucket_mb: float = 64.0
+    path: str = "reshard"
+    verify: bool = True

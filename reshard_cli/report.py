@@ -28,8 +28,7 @@ def plan_text(s: dict) -> str:
         f"{_over(s['max_rank_send_bytes'], s['ideal_rank_send_bytes'])}), recv {fmt_bytes(s['max_rank_recv_bytes'])} "
         f"(ideal {fmt_bytes(s['ideal_rank_recv_bytes'])}, {_over(s['max_rank_recv_bytes'], s['ideal_rank_recv_bytes'])})",
         f"  planned in    {s['plan_seconds'] * 1e3:.0f} ms",
-        *_trainer_lines(s.get("trainer")),
-        *_engine_lines(s.get("engine")),
+        *_storage_lines(s.get("trainer"), s.get("engine")),
         "",
         table(["path", "tensors", "bytes", "wire", "in-domain", "pieces"],
               [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),
@@ -52,22 +51,24 @@ def _route_lines(s: dict) -> list[str]:
             f"                {s.get('routes_by', '')}".rstrip()]
 
 
-def _engine_lines(e: dict | None) -> list[str]:
-    if not e:
-        return []
-    return [f"  engine        {e['format']} storage on rank {e['rank']}: {e['engine_tensors']} tensors "
-            f"({e['fused_tensors']} fused or stacked), {fmt_bytes(e['engine_bytes'])}; received bytes land in place: "
-            f"{fmt_bytes(e['direct_bytes'])} of {fmt_bytes(e['checkpoint_bytes'])} "
-            f"({pct(e['direct_bytes'], e['checkpoint_bytes'])}), padding {fmt_bytes(e['padding_bytes'])} untouched"]
-
-
-def _trainer_lines(t: dict | None) -> list[str]:
-    if not t:
-        return []
-    return [f"  trainer       {t['format']} storage on rank {t['rank']}: {t['megatron_tensors']} parameters "
-            f"({t['fused_tensors']} fused from several checkpoint tensors), {fmt_bytes(t['megatron_bytes'])}; sent "
-            f"bytes are read in place: {fmt_bytes(t['direct_bytes'])} ({pct(t['direct_bytes'], t['megatron_bytes'])} "
-            f"of it; the rest is vocab padding)"]
+def _storage_lines(trainer: dict | None, engine: dict | None) -> list[str]:
+    """Where a framework format keeps the bytes (`formats.summary`): the trainer's storage, read in place, and
+    one engine rank's storage, written in place."""
+    lines = []
+    if trainer:
+        t = trainer
+        lines.append(f"  trainer       {t['format']} storage on rank {t['rank']}: {t['megatron_tensors']} parameters "
+                     f"({t['fused_tensors']} fused from several checkpoint tensors), {fmt_bytes(t['megatron_bytes'])}; "
+                     f"sent bytes are read in place: {fmt_bytes(t['direct_bytes'])} "
+                     f"({pct(t['direct_bytes'], t['megatron_bytes'])} of it; the rest is vocab padding)")
+    if engine:
+        e = engine
+        lines.append(f"  engine        {e['format']} storage on rank {e['rank']}: {e['engine_tensors']} tensors "
+                     f"({e['fused_tensors']} fused or stacked), {fmt_bytes(e['engine_bytes'])}; received bytes land in "
+                     f"place: {fmt_bytes(e['direct_bytes'])} of {fmt_bytes(e['checkpoint_bytes'])} "
+                     f"({pct(e['direct_bytes'], e['checkpoint_bytes'])}), padding {fmt_bytes(e['padding_bytes'])} "
+                     f"untouched")
+    return lines
 
 
 def _ratio(a: float, b: float) -> str:

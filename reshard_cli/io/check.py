@@ -95,13 +95,8 @@ class CheckResult:
     def ok(self) -> bool:
         return not self.problems
 
-    @property
-    def bytes(self) -> int:
-        return sum(r.bytes for r in self.ranks)
-
-    @property
-    def tensors(self) -> int:
-        return sum(r.tensors for r in self.ranks)
+    bytes = property(lambda self: sum(r.bytes for r in self.ranks), doc="bytes compared, all ranks")
+    tensors = property(lambda self: sum(r.tensors for r in self.ranks), doc="shards compared, all ranks")
 
     @property
     def gbps(self) -> float:

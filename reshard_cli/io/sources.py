@@ -262,10 +262,8 @@ class SafetensorsSource(Source):
         self._where = str(index)
         return list(dict.fromkeys(self._file_of.values()))
 
-    def _header(self, f: Path) -> dict:
-        return _cached_header(self._headers, f, "file not found")
-
     def _stored(self, spec) -> tuple[tuple, str, str]:
+        """(shape, dtype, file) of `spec` as its checkpoint file's header stores it."""
         f = self._file_of.get(spec.name)
         if f is None:
             raise ConfigError(f"tensor {spec.name!r} is missing", file=self._where)
@@ -273,6 +271,9 @@ class SafetensorsSource(Source):
         if entry is None:
             raise ConfigError(f"tensor {spec.name!r} is missing (the index names this file)", file=str(f))
         return tuple(entry["shape"]), _SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]), str(f)
+
+    def _header(self, f: Path) -> dict:
+        return _cached_header(self._headers, f, "file not found")
 
     def read(self, t: int, box: Box) -> torch.Tensor:
         self._check_box(t, box)

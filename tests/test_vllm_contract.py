@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -153,3 +154,20 @@ def test_version_check(monkeypatch):
     monkeypatch.delenv(compat.STRICT_ENV)
     with pytest.warns(compat.UntestedVLLMWarning, match="0.34.1"):
         compat.check_version()
+
+
+def test_importing_the_trainer_api_registers_the_backend():
+    """A trainer process never runs vLLM's plugin loader: importing reshard's trainer names is enough for vLLM's
+    factory to find the backend (it then builds reshard's engine, whose own check asks for a source)."""
+    import subprocess
+    import sys
+
+    script = ("from reshard_cli.engines.vllm import ReshardTrainerInitInfo\n"
+              "from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory\n"
+              "try:\n"
+              "    WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(dst='x', rank=0), client=None)\n"
+              "except ValueError as e:\n"
+              "    print('ERROR', e)\n")
+    root = Path(__file__).resolve().parents[1]  # this checkout's reshard_cli, whatever is installed
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
+    assert "ERROR reshard: pass source=" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -1,13 +1,15 @@
 """The `reshard` backend's init and update info: what vLLM parses from the init / update calls' dicts (worker
-side), and what the trainer passes to `WeightTransferTrainerFactory.trainer_init`. Importing it needs vLLM."""
+side), and what the trainer passes to `WeightTransferTrainerFactory.trainer_init`. Importing it needs vLLM, and
+registers the backend in this process: a trainer process never runs vLLM's plugin loader, and without the
+registration `trainer_init(ReshardTrainerInitInfo(...))` would answer "Invalid weight transfer backend"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from reshard_cli.engines.vllm import compat
+from reshard_cli.engines.vllm import compat, plugin
 
-BACKEND = "reshard"
+BACKEND = plugin.BACKEND
 _api = compat.transfer_api()
 
 
@@ -41,3 +43,6 @@ class ReshardTrainerInitInfo(_api.TrainerInitInfo):
     bucket_mb: float = 64.0
     path: str = "reshard"
     verify: bool = True
+
+
+plugin.register()  # importing the trainer API is enough to use it (see the module docstring)

@@ -290,17 +290,10 @@ def bench(
         plan_scaling=plan_scaling, quiet=quiet, timeout=timeout, dcp_dir=dcp_dir, argv=sys.argv[1:]))
 
 
-def _leave_bad_input() -> None:
-    """The torchrun worker that printed a bad-input error all ranks agreed on leaves at once: tearing down gloo
-    while the peers leave too can abort in C++ ("terminate called without an active exception"), which the
-    launcher would report as a crash. The quiet ranks exit normally (after it has printed, never before), and
-    runtime failures (a dead peer) too, so torchrun still sees a dead rank first."""
-    from reshard_cli.transfer.launcher import under_torchrun
-
-    if under_torchrun():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
+def dist_initialized() -> bool:
+    """Whether this process joined a torch.distributed group (torch is already imported when it did)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def main() -> None:
@@ -316,8 +309,10 @@ def main() -> None:
             sys.exit(e.exit_code)
         if not e.quiet:
             typer.echo(f"reshard: error: {e}", err=True)
-            if e.exit_code == 2:
-                _leave_bad_input()
+        if e.exit_code == 2 and "RANK" in os.environ and dist_initialized():
+            from reshard_cli.transfer.launcher import leave_agreed  # torch: only torchrun workers get here
+
+            leave_agreed(printer=not e.quiet)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         typer.echo("reshard: interrupted", err=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -130,8 +131,38 @@ def process_group(backend: str, timeout: float) -> Iterator[torch.device]:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     try:
         yield device
-    finally:
+    except ReshardError as e:
+        if e.exit_code != 2:
+            dist.destroy_process_group()
+        raise  # bad input every rank agreed on: `leave_agreed` ends the process, gloo is not torn down
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    else:
+        dist.destroy_process_group()
+
+
+_PRINTED = "reshard/bad-input-printed"  # set by the worker that printed an agreed bad-input error
+
+
+def leave_agreed(printer: bool) -> None:
+    """A torchrun worker's exit (code 2) after a bad-input error every rank agreed on. Tearing gloo down while
+    the peers leave too can abort in C++ ("terminate called without an active exception") and add a line the
+    user should not see, so no worker tears it down: each leaves at once with os._exit. The worker that
+    printed the line says so on the job's store first, and the quiet ones wait for that (at most 10 s), so
+    torchrun, which stops every worker when one exits, never stops the printer before its line is out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=10))
+        if printer:
+            store.set(_PRINTED, "1")
+        else:
+            store.wait([_PRINTED], timedelta(seconds=10))
+    except Exception:  # noqa: BLE001 - no store (it left with its host), or no line within 10 s: leave anyway
+        pass
+    os._exit(2)
 
 
 def all_ok(stage: str, error: BaseException | None) -> None:

@@ -22,7 +22,6 @@ from reshard_cli.plan.cost import plan_prediction, with_auto_routes
 from reshard_cli.plan.planner import Plan, no_gc
 from reshard_cli.report import plan_text, write_pieces
 from reshard_cli.transfer import dryrun
-from reshard_cli.transfer.results import RunReport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Refit LLM weights between trainer and inference layouts, moving only the bytes each rank needs.")
@@ -177,10 +176,9 @@ def run(
         return
     from reshard_cli.engines.vllm.push import push  # torch: only once a worker runs
 
-    result = run_mod.worker(opts, push=push)
-    if result is None:  # not rank 0
+    report = run_mod.worker(opts, push=push)
+    if report is None:  # not rank 0
         return
-    report = RunReport.of(result)  # an engine integration may still hand a dict with `_text` / `_failed`
     typer.echo(report.text)
     if json_out:
         write_json_option("--json", json_out, report.doc)

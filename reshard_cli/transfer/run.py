@@ -99,13 +99,13 @@ def launch_run(opts: RunOptions) -> None:
 # ------------------------------------------------------------------------------------------------ worker
 
 
-def worker(opts: RunOptions, push: Callable | None = None) -> RunReport | dict | None:
+def worker(opts: RunOptions, push: Callable | None = None) -> RunReport | None:
     """One rank of `reshard run`. Rank 0 returns the report (a `RunReport`: the table, its JSON twin, whether
     verification failed); others None.
 
     `push(opts, plan, rank, world, device)` moves the weights into a running engine when the destination layout
     names one (`engine: {url}`); the engine integrations above this layer provide it
-    (`reshard_cli.engines.vllm.push`), and return a `RunReport` (or a dict with `_text`, see `RunReport.of`)."""
+    (`reshard_cli.engines.vllm.push`), and return a `RunReport`."""
     rank, world = launcher.rank_and_world()
     auto = opts.topology is not None and str(opts.topology) == "auto"  # discovered once the job is up
 

@@ -13,10 +13,11 @@ from reshard_cli.base.text import fmt_bytes, table
 from reshard_cli.engines.vllm.clients import check_engine, http_client, portable_layout
 from reshard_cli.plan.planner import Plan
 from reshard_cli.transfer import launcher
+from reshard_cli.transfer.results import RunReport
 from reshard_cli.transfer.run import RunOptions, load
 
 
-def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> dict | None:
+def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> RunReport | None:
     """Into a running `vllm serve` (`engine: {url}` in the destination layout): this job's ranks are the
     sources; the engine's workers join a refit group with them through the `reshard` weight-transfer backend
     (rank 0 drives vLLM's HTTP routes), and every piece lands in the engine's own storage. Verified by the
@@ -52,7 +53,7 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
     return engine_report(opts, plan, url, reports, world)
 
 
-def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int) -> dict:
+def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int) -> RunReport:
     """Rank 0's table for a push into a running engine, and its JSON twin."""
     timed = reports[1:] if len(reports) > 1 else reports
     seconds = statistics.median(r["seconds"] for r in timed)
@@ -84,6 +85,4 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
                      f"{'ok' if w.get('checksums_ok') else 'WRONG'}")
     if not ok:
         lines.append("  FAILED: the engine's weights differ from the source")
-        doc["_failed"] = True
-    doc["_text"] = "\n".join(lines)
-    return doc
+    return RunReport("\n".join(lines), doc, failed=not ok)

@@ -153,6 +153,13 @@ class Layout:
         reordered = replace(self.manifest, tensors=tuple(self.manifest.tensors[i] for i in order))
         return replace(self, manifest=reordered, placements=tuple(self.placements[i] for i in order))
 
+    def subset(self, tensors) -> "Layout":
+        """This layout over some of its tensors only (indices, kept in this layout's order): a refit in groups
+        plans each group's tensors on their own."""
+        keep = sorted(set(tensors))
+        part = replace(self.manifest, tensors=tuple(self.manifest.tensors[i] for i in keep))
+        return replace(self, manifest=part, placements=tuple(self.placements[i] for i in keep))
+
     def held(self, rank: int) -> list[tuple[int, Box]]:
         """(tensor index, global box) of every tensor `rank` holds in this layout, in manifest order."""
         tensors = self.manifest.tensors
@@ -478,6 +485,11 @@ def _rule_key(rule: Rule | None) -> str:
 # tensor names with every digit made '0' (see `_rule_matcher`). Keyed by id, with the manifest kept alive.
 _INDICES: dict[int, tuple] = {}
 _DIGITS = bytes.maketrans(b"123456789", b"000000000")  # on UTF-8 bytes: only ASCII digits are bytes 0x31-0x39
+
+
+def layer_indices(manifest: Manifest) -> list[int | None]:
+    """Per tensor, its decoder layer N (`layers.N.` in its name), None for a tensor outside the layers."""
+    return _tensor_indices(manifest)[0]
 
 
 def _tensor_indices(manifest: Manifest) -> tuple[list, list, list]:

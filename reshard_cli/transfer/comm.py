@@ -124,8 +124,14 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     peer that will never come (an engine that refused the init call) ends the wait on every rank that
     checked in, with that reason, instead of a timeout."""
     device = torch.device(device)
-    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
-                          wait_for_workers=False)
+    try:
+        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+    except (dist.DistStoreError, RuntimeError) as e:  # a port in use, or no rank 0 listening in time
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "could not listen on" if rank == 0 else "could not reach rank 0's store at"
+        raise RuntimeFailure(f"refit group: rank {rank} {where} {host}:{port} within {timeout:.0f} s "
+                             f"({first})") from None
     prefixed = dist.PrefixStore("reshard-refit", store)
     _check_in(prefixed, rank, size, timeout, abort)
     if device.type == "cuda":

@@ -77,6 +77,10 @@ class Engine:
             self.peak_staging_bytes = max(self.peak_staging_bytes, sum(b.numel() for b in self._staging))
         return self._staging[i][:nbytes]
 
+    def release_staging(self) -> None:
+        """Drop the staging buffers (allocated again by the next run): a refit in groups holds one group's."""
+        self._staging, self._ring = [], None
+
     def _slot(self, buf: torch.Tensor, t: int, box: Box, off: int) -> torch.Tensor:
         n = box.numel * self._item[t]
         return buf[off:off + n].view(self._dtype[t]).view(box.sizes)

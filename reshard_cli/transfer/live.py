@@ -15,18 +15,20 @@ storage every time, so an engine's pointers stay valid).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from reshard_cli.errors import ConfigError
+from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.layouts.layout import Layout, Mesh, Placement
 from reshard_cli import formats
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.models import Manifest, TensorSpec
+from reshard_cli.plan.groups import Group, layer_groups
 from reshard_cli.plan.planner import Plan
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.transfer import verify
@@ -43,18 +45,67 @@ class RefitStats:
     bytes_sent: int  # by this rank, this refit
     checksums_ok: bool | None  # None when not verified
     bytes_received: int = 0  # by this rank, this refit
+    groups: int = 1  # staging groups the refit ran in (`stage_mb`)
+
+
+class Stage:
+    """Where a destination rank's bytes land when a refit runs in agreed groups (`stage_mb`): each group's
+    buffers are opened just before its bytes arrive, and committed only once every rank of the refit has
+    received and verified that group; on any rank's failure, aborted everywhere. An engine implements it to
+    convert a group into its own format and release the staging before the next group arrives."""
+
+    def open(self, group: Group, layout: Layout) -> Mapping[str, torch.Tensor]:
+        """Buffers for the group's tensors (`layout` holds only them), keyed by checkpoint name."""
+        raise NotImplementedError
+
+    def commit(self, group: Group) -> None:
+        """Every rank has the group, verified: make it what the engine computes with."""
+
+    def abort(self, group: Group) -> None:
+        """Some rank failed on this group: what the engine computes with stays as it was."""
+
+
+class RefitFailed(RuntimeFailure):
+    """A refit in agreed groups failed on some rank; every rank raises the same line. `committed`: the groups
+    committed before the failure (the same on every rank), `groups`: all of them."""
+
+    def __init__(self, message: str, committed: list[Group], groups: list[Group], exit_code: int = 1):
+        super().__init__(message)
+        self.committed, self.groups, self.exit_code = committed, groups, exit_code
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.committed)
+
+
+@dataclass
+class _Part:
+    """One staging group's plan, and its engine once bound to tensors."""
+
+    group: Group
+    plan: Plan
+    engine: Engine | None = None
+    bound: tuple | None = None  # what the engine's shards are views of (see `Refit._bind`)
+    casts: list = field(default_factory=list)  # (converted copy, parameter) made at binding
 
 
 class Refit:
     def __init__(self, role: str, *, src: str | Path | Layout | None = None, dst: str | Path | Layout | None = None,
                  topology: str | Path | Topology | None = None, mode: str = "auto", bucket_mb: float = 64,
                  reshard_match: str | None = None, device: torch.device | str | None = None,
-                 group: GroupComm | None = None):
+                 group: GroupComm | None = None, stage_mb: float | None = None, who: str = ""):
         """`group`: a refit group of its own (`transfer.comm.refit_group`) instead of the default process group,
         for processes whose default group belongs to someone else (an inference engine's workers). Ranks in
         the layouts, and a DTensor mesh's ranks, are then the group's ranks; the broadcast route needs the
         default group, so there mode `auto` (the default) plans the reshard path only and other modes than
-        `reshard` are refused."""
+        `reshard` are refused.
+
+        `stage_mb`: run every refit in agreed groups of whole layers (`plan.groups`), each at most this many MiB
+        of checkpoint-format tensors on any destination rank (0: one group). Each group is bound, moved and
+        verified, and committed (a destination's `Stage`) only after every rank of the refit agreed that it
+        arrived intact; any rank's failure aborts that group everywhere and raises `RefitFailed` on every rank.
+        Every rank must pass the same value. None (the default): one group, no agreement rounds. `who`: what
+        this rank is, in such errors ("trainer 1", "vLLM worker 0")."""
         if role not in ("src", "dst", "idle"):
             raise ConfigError(f"role must be 'src', 'dst' or 'idle', not {role!r}", key="role")
         if group is None and not dist.is_initialized():
@@ -64,8 +115,10 @@ class Refit:
             mode = "reshard"
         if group is not None and mode != "reshard":
             raise ConfigError(f"a refit over its own group runs in mode reshard, not {mode!r}", key="mode")
+        if stage_mb is not None and stage_mb < 0:
+            raise ConfigError(f"stage_mb must be 0 (one group) or a budget in MiB, not {stage_mb}", key="stage_mb")
         self.comm = group if group is not None else WORLD
-        self.role = role
+        self.role, self.who = role, who
         self.rank = self.comm.rank
         if isinstance(src, (str, Path)) and isinstance(dst, (str, Path)):
             self._src, self._dst = load_pair(src, dst)  # dst ranks default to right after src
@@ -74,29 +127,45 @@ class Refit:
         self.topology = load_topology(topology) if isinstance(topology, (str, Path)) else (topology or NO_TOPOLOGY)
         self.mode, self.reshard_match = mode, reshard_match
         self.options = transfer_options(bucket_mb)
+        self.stage_bytes = None if stage_mb is None else int(stage_mb * (1 << 20))
         self.device = torch.device(device) if device is not None else None
-        self.plan: Plan | None = None
-        self.engine: Engine | None = None
-        self._bound: tuple | None = None  # what the engine's shards are views of (see `_rebind`)
-        self._casts: list = []  # (converted copy, parameter) made at binding, refreshed at every refit
+        self.plan: Plan | None = None  # the whole refit's plan
+        self.parts: list[_Part] = []  # one per staging group (one: the whole plan)
 
-    def __call__(self, tensors: Mapping[str, torch.Tensor], *, verify_checksums: bool = False) -> RefitStats:
-        if self.engine is None:
+    @property
+    def engine(self) -> Engine | None:
+        """The whole refit's engine (a refit in one group)."""
+        return self.parts[0].engine if len(self.parts) == 1 else None
+
+    @property
+    def groups(self) -> list[Group]:
+        return [p.group for p in self.parts]
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor] | None = None, *, verify_checksums: bool = False,
+                 stage: Stage | None = None) -> RefitStats:
+        """One refit. `tensors`: this rank's sources, or its destination buffers (written in place); a
+        destination that refits in groups may pass a `stage` instead, which opens each group's buffers."""
+        tensors = tensors or {}
+        if self.plan is None:
             self._setup(tensors)
-        else:
-            self._rebind(tensors)
-        self.engine.bytes_sent = self.engine.bytes_received = 0  # this refit's, not a running total
         # No barriers: the messages themselves order the ranks. When this returns, this rank's part is done
         # (a destination's buffers hold the new weights; a source may change its tensors again).
         t0 = time.perf_counter()
-        self.engine.run_reshard()
-        self.engine.run_broadcast()
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)
-        stats = RefitStats(time.perf_counter() - t0, self.engine.bytes_sent, None, self.engine.bytes_received)
-        if verify_checksums:
-            stats.checksums_ok = self._verify()
-        return stats
+        sent = received = 0
+        good = True
+        for i, part in enumerate(self.parts):
+            if self.stage_bytes is None:
+                self._bind(part, tensors, agreed=part.engine is None)
+                self._move(part)
+                if verify_checksums:
+                    good &= self._verify(part)
+            else:
+                good &= self._agreed_group(i, part, tensors, verify_checksums, stage)
+            sent, received = sent + part.engine.bytes_sent, received + part.engine.bytes_received
+            if len(self.parts) > 1:
+                part.engine.release_staging()  # one group's staging at a time
+        return RefitStats(time.perf_counter() - t0, sent, good if verify_checksums else None, received,
+                          groups=len(self.parts))
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -128,40 +197,70 @@ class Refit:
         overlap = set(src.ranks) & set(dst.ranks)
         if overlap:
             raise ConfigError(f"src and dst ranks overlap (rank {min(overlap)})", key="ranks")
-        self.plan = ready_plan(src, dst, self.topology, mode=self.mode, reshard_match=self.reshard_match,
-                               bucket_bytes=self.options.bucket_bytes)
-        src_shards, dst_shards = self._agreed_shards(tensors)
-        device = self.device or next((s.data.device for s in (*src_shards.values(), *dst_shards.values())),
-                                     torch.device("cpu"))
-        self.engine = build_engine(self.plan, self.rank, src_shards, dst_shards, self.options, device,
-                                   comm=self.comm)
-        self._bound = _storage_of(tensors)
+        plan = partial(ready_plan, topology=self.topology, mode=self.mode, reshard_match=self.reshard_match,
+                       bucket_bytes=self.options.bucket_bytes)
+        self.plan = plan(src, dst)
+        groups = layer_groups(dst, self.stage_bytes)
+        if len(groups) == 1:
+            self.parts = [_Part(groups[0], self.plan)]
+        else:
+            self.parts = [_Part(g, plan(src.subset(g.tensors), dst.subset(g.tensors))) for g in groups]
 
-    def _agreed_shards(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
-        """What this rank passed is checked against the plan before anything moves; every rank learns of any
-        rank's mistake (one line, the same everywhere) instead of waiting for a peer that gave up."""
-        error, shards = None, ({}, {})
+    def _bind(self, part: _Part, tensors: Mapping[str, torch.Tensor], *, agreed: bool) -> None:
+        """Bind the part's engine to the tensors passed on this call (a first call builds the engine; `agreed`:
+        every rank learns of any rank's binding error first, as a collective)."""
+        error, shards = None, None
         try:
-            shards = self._shards(tensors)
+            shards = self._shards_of(part, tensors)
         except ConfigError as e:
+            if not agreed:
+                raise
             error = str(e)
-        failed = gather_failures(self.comm.all_gather_object, error, exit_code=2)
-        if failed:
-            raise ConfigError(one_line(failed, me=self.rank, label="refit rank"))
-        return shards
+        if agreed:
+            failed = gather_failures(self.comm.all_gather_object, error, exit_code=2)
+            if failed:
+                raise ConfigError(one_line(failed, me=self.rank, label="refit rank"))
+        self._install(part, shards, tensors)
 
-    def _shards(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
-        """Check what this rank passed against the plan and wrap it (views, no copies)."""
+    def _shards_of(self, part: _Part, tensors: Mapping[str, torch.Tensor]) -> tuple | None:
+        """This call's shards for the part, None when they are unchanged. Destination buffers may be new
+        storage on every call (an engine that re-materializes its weights for each update); they are checked
+        like the first ones. When every tensor is the same storage, shape and strides as last time (a trainer
+        updating its parameters in place), the binding and the engine's views are kept; only converted copies
+        are refreshed with the current values."""
+        if part.engine is not None and _storage_of(tensors) == part.bound:
+            for copy, param in part.casts:
+                copy.copy_(param)
+            return None
+        part.casts = []
+        return self._shards(part, tensors)
+
+    def _install(self, part: _Part, shards: tuple | None, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The part's engine on `shards` (collective when it is built: every rank, same order)."""
+        if shards is None:
+            return
+        src_shards, dst_shards = shards
+        if part.engine is None:
+            device = self.device or next((s.data.device for s in (*src_shards.values(), *dst_shards.values())),
+                                         torch.device("cpu"))
+            part.engine = build_engine(part.plan, self.rank, src_shards, dst_shards, self.options, device,
+                                       comm=self.comm)
+        else:
+            part.engine.src_shards, part.engine.dst_shards = src_shards, dst_shards
+        part.bound = _storage_of(tensors)
+
+    def _shards(self, part: _Part, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+        """Check what this rank passed against the part's plan and wrap it (views, no copies)."""
         src_shards: dict[int, LocalShard] = {}
         dst_shards: dict[int, LocalShard] = {}
-        for role, layout, out in (("src", self.plan.src, src_shards), ("dst", self.plan.dst, dst_shards)):
+        for role, layout, out in (("src", part.plan.src, src_shards), ("dst", part.plan.dst, dst_shards)):
             if self.rank not in layout.ranks:
                 continue
             man = layout.manifest
             held_names = (man.tensors[t].name for t, _ in layout.held(self.rank))
             bind = formats.get(layout.format).bind
             if bind is not None and any(n not in tensors for n in held_names):  # the framework's own names
-                tensors = {**tensors, **bind(tensors, layout, self.rank, self._casts)}
+                tensors = {**tensors, **bind(tensors, layout, self.rank, part.casts)}
             for t, box in layout.held(self.rank):
                 spec = man.tensors[t]
                 if spec.name not in tensors:
@@ -177,29 +276,102 @@ class Refit:
                 out[t] = LocalShard(box, local)
         return src_shards, dst_shards
 
-    def _rebind(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Later refits: same plan, the tensors passed on this call. Destination buffers may be new storage
-        (an engine that re-materializes its weights for each update); they are checked like the first ones.
-        When every tensor is the same storage, shape and strides as last time (a trainer updating its
-        parameters in place), the binding and the engine's views are kept; only converted copies are
-        refreshed with the current values."""
-        bound = _storage_of(tensors)
-        if bound == self._bound:
-            for copy, param in self._casts:
-                copy.copy_(param)
-            return
-        self._casts = []
-        self.engine.src_shards, self.engine.dst_shards = self._shards(tensors)
-        self._bound = bound
+    # ---------------------------------------------------------------------------------------- moving
 
-    def _verify(self) -> bool:
+    def _move(self, part: _Part) -> None:
+        eng = part.engine
+        eng.bytes_sent = eng.bytes_received = 0  # this refit's, not a running total
+        eng.run_reshard()
+        eng.run_broadcast()
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize(eng.device)
+
+    def _verify(self, part: _Part) -> bool:
         """Checksums: each destination shard against the sources' checksum of the same box (collective)."""
-        eng = self.engine
-        _actual, mismatched, _ = verify.mismatched_checksums(self.plan, self.rank, eng.src_shards, eng.dst_shards,
+        return not self._mismatched(part, everywhere=True)
+
+    def _mismatched(self, part: _Part, *, everywhere: bool = False) -> list[int]:
+        """Collective: the destination tensors on this rank (`everywhere`: on any rank, as [-1]) whose
+        checksum differs from the sources' checksum of the same box."""
+        eng = part.engine
+        _actual, mismatched, _ = verify.mismatched_checksums(part.plan, self.rank, eng.src_shards, eng.dst_shards,
                                                              comm=self.comm)
+        if not everywhere:
+            return mismatched
         flag = torch.tensor([1 if mismatched else 0])
         self.comm.all_reduce_max(flag)
-        return int(flag.item()) == 0
+        return [-1] if int(flag.item()) else []
+
+    def _agreed_group(self, i: int, part: _Part, tensors, verify_checksums: bool, stage: Stage | None) -> bool:
+        """One group under agreement: open and bind (agreed), move and verify (agreed), then commit, or abort
+        everywhere. Returns whether the checksums matched (True when not verified)."""
+        opened = stage if stage is not None and self.rank in part.plan.dst.ranks else None
+        error, shards = None, None
+        try:
+            if opened is not None:
+                tensors = opened.open(part.group, part.plan.dst)
+            shards = self._shards_of(part, tensors)
+        except Exception as e:  # noqa: BLE001 - a wrong buffer, or an engine's own failure (out of memory)
+            error = str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}"
+        self._agree(i, part, error, opened, code=2)
+        self._install(part, shards, tensors)
+        error, bad = None, []
+        try:
+            self._move(part)
+        except Exception as e:  # noqa: BLE001
+            error = f"the transfer failed ({type(e).__name__}: {e})"
+        if verify_checksums:
+            bad = self._mismatched(part)
+            if bad and error is None:
+                error = (f"checksums differ after the transfer in {len(bad)} tensor(s), first "
+                         f"{part.plan.dst.manifest.tensors[bad[0]].name}")
+        self._agree(i, part, error, opened, code=1)
+        if opened is not None:
+            try:
+                opened.commit(part.group)
+            except Exception as e:  # noqa: BLE001
+                raise RefitFailed(f"{self._me()}: committing {part.group.label} failed after every rank agreed "
+                                  f"({type(e).__name__}: {e}); {self._progress(i)}", self.groups[:i],
+                                  self.groups) from e
+        return not bad
+
+    def _agree(self, i: int, part: _Part, error: str | None, stage: Stage | None, *, code: int) -> None:
+        """Collective: every rank's error for group i; on any, the group is aborted here and every rank raises
+        the same line."""
+        failed = gather_failures(self.comm.all_gather_object, error, exit_code=code, role=self.who)
+        if not failed:
+            return
+        if stage is not None:
+            stage.abort(part.group)
+        raise RefitFailed(f"{one_line(failed, label='refit rank')}; {self._progress(i)}", self.groups[:i],
+                          self.groups, exit_code=max(f.exit_code for f in failed) if i == 0 else 1)
+
+    def _progress(self, i: int) -> str:
+        """What the destination computes with after a failure in group i."""
+        if i == 0:
+            return "nothing was committed: every destination keeps its previous weights"
+        done = self.groups[:i]
+        rest = self.groups[i:]
+        return (f"committed {i} of {len(self.groups)} groups ({_labels(done)}: new weights; {_labels(rest)}: "
+                f"previous weights); the next refit repairs it")
+
+    def _me(self) -> str:
+        return f"refit rank {self.rank}" + (f" ({self.who})" if self.who else "")
+
+
+def _labels(groups: list[Group]) -> str:
+    """Groups' layers in few words ("layers 0-5", "embeddings/norm/head + layers 0-2, layers 3-5")."""
+    layers = sorted(n for g in groups for n in g.layers)
+    outside = any(g.outside for g in groups)
+    spans: list[str] = []
+    for n in layers:
+        if spans and spans[-1][1] == n - 1:
+            spans[-1] = (spans[-1][0], n)
+        else:
+            spans.append((n, n))
+    words = ["embeddings/norm/head"] if outside else []
+    words += [f"layer {a}" if a == b else f"layers {a}-{b}" for a, b in spans]
+    return ", ".join(words)
 
 
 # ---------------------------------------------------------------------------------------------- helpers

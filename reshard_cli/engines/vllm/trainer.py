@@ -21,7 +21,7 @@ from reshard_cli.engines.vllm.handshake import digest, handshake, layouts
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
 from reshard_cli.transfer.comm import refit_group
-from reshard_cli.transfer.live import Refit
+from reshard_cli.transfer.live import Refit, RefitFailed
 
 _api = compat.transfer_api()
 
@@ -60,7 +60,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         world = init_info.world_size or trainer_size + dst.size
         worker_info = {"host": init_info.host, "port": init_info.port, "world_size": world,
                        "src": init_info.src, "dst": init_info.dst, "trainer_size": trainer_size,
-                       "timeout": init_info.timeout, "bucket_mb": init_info.bucket_mb, "path": init_info.path}
+                       "timeout": init_info.timeout, "bucket_mb": init_info.bucket_mb, "path": init_info.path,
+                       "stage_mb": init_info.stage_mb}
         # the workers' init call blocks until the group forms: run it beside this rank's own joining
         call = Call(client.init_weight_transfer_engine, worker_info) if self.is_sender else None
         tensors = self._tensors()
@@ -76,7 +77,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                 call.join()
         self.src, self.dst = src, dst
         self.refit = (Refit(role="src", src=src, dst=dst, mode="reshard", bucket_mb=init_info.bucket_mb,
-                            group=self.group) if init_info.path == "reshard" else None)
+                            group=self.group, stage_mb=init_info.stage_mb, who=f"trainer {init_info.rank}")
+                      if init_info.path == "reshard" else None)
         return self
 
     def _tensors(self) -> Mapping[str, torch.Tensor]:
@@ -89,14 +91,21 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         return params
 
     def send_weights(self, weight_version: str | None = None) -> dict:
-        """One refit into the engine; every worker's numbers and this rank's, as a dict."""
+        """One refit into the engine; every worker's numbers and this rank's, as a dict. The engine's weight
+        version becomes `weight_version` when every group was committed; unchanged when none was; a partial
+        marker (`<version>+partial-<k>of<n>`) when a failure left the first k of n groups new. A failure raises
+        one line on every trainer rank, after the engine has been told to finish the update."""
         tensors = self._tensors()
         if self.is_sender:
-            self.client.start_weight_update()
+            self._start_update()
             call = Call(self.client.update_weights, {"verify": self.info.verify})
         t0 = time.perf_counter()
+        failure: RefitFailed | None = None
         try:
-            mine = self._send(tensors)
+            try:
+                mine = self._send(tensors)
+            except RefitFailed as e:  # agreed by every rank of the refit: the numbers are still exchanged
+                failure, mine = e, {"bytes_sent": 0, "checksums_ok": None}
             everyone = self.group.all_gather_object(None)  # the workers' stats, after their update
         finally:
             if self.is_sender:
@@ -106,23 +115,40 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                     pass  # the workers' own error, gathered above, says more
         seconds = time.perf_counter() - t0
         workers = [s for s in everyone if s is not None]
-        failed = next((w for w in workers if w["error"]), None)
+        version = weight_version
+        if failure is not None:
+            version = (None if not failure.partial else
+                       f"{weight_version or 'update'}+partial-{len(failure.committed)}of{len(failure.groups)}")
         if self.is_sender:
-            self.client.finish_weight_update(weight_version)  # a failed worker restores its weights here
+            self.client.finish_weight_update(version)
             # the KV cache of earlier prompts was computed with the old weights: vLLM does not drop it on
             # a weight update, so a cached prefix would be served from the old model
             reset = getattr(self.client, "reset_prefix_cache", None)
-            if reset is not None and not failed:
+            if reset is not None and (failure is None or failure.partial):
                 reset()
+        if failure is not None:
+            raise RuntimeError(f"reshard: {failure}") from None
+        failed = next((w for w in workers if w["error"]), None)
         if failed:
             raise RuntimeError(f"reshard: refit rank {failed['worker']} (vLLM worker): {failed['error']}")
-        return {"seconds": seconds, "trainer": mine, "workers": workers}
+        return {"seconds": seconds, "trainer": mine, "workers": workers, "weight_version": version}
+
+    def _start_update(self) -> None:
+        """The engine's start_weight_update. An update left open by a trainer that died before finishing it
+        is finished first (vLLM refuses to start one while another is active)."""
+        try:
+            self.client.start_weight_update()
+        except Exception as e:  # noqa: BLE001 - vLLM's RuntimeError, or an HTTP 500 carrying it
+            if "already active" not in str(e) and "500" not in str(e):
+                raise
+            self.client.finish_weight_update(None)
+            self.client.start_weight_update()
 
     def _send(self, tensors: Mapping[str, torch.Tensor]) -> dict:
         """This rank's part of one update: the refit, or the full path's tensors."""
         if self.refit is not None:
             rs = self.refit(tensors, verify_checksums=self.info.verify)
-            return {"bytes_sent": rs.bytes_sent, "checksums_ok": rs.checksums_ok}
+            return {"bytes_sent": rs.bytes_sent, "checksums_ok": rs.checksums_ok, "groups": rs.groups}
         sent = full.send_full(self.group, tensors, self.src, self.dst, self.info.rank)
         return {"bytes_sent": sent, "checksums_ok": None}
 

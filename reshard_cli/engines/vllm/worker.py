@@ -6,16 +6,21 @@ Per update:
               every view the right shape), join the refit group, and agree with every trainer rank on the
               model (names, shapes, dtypes) — any mismatch fails the init call on all sides with one line,
               before a byte moves.
-  start       modules vLLM post-processes after loading are staged as vLLM's layerwise reload does it
-              (`target.EngineTarget`).
-  update      the refit writes every received piece straight into those views (no full tensor, no
-              `load_weights`); then vLLM's own post-processing turns each staged module into its kernel format.
-              With `verify`, every shard's checksum is compared with the sources'.
-  finish      vLLM's finalize on the staged modules (a module the update did not reach keeps its previous
-              weights).
+  start       nothing is touched yet.
+  update      the refit runs in groups of whole layers (`stage_mb` of checkpoint-format bytes at most, on any
+              worker): a group's modules are staged as vLLM's layerwise reload does it (`target.EngineTarget`),
+              the refit writes every received piece straight into them (no full tensor, no `load_weights`),
+              every shard's checksum is compared with the sources', and only once every trainer rank and every
+              worker agreed that the group arrived intact does vLLM's own post-processing turn it into the
+              kernels' format (the commit); then the next group. Any failure aborts the open group everywhere:
+              its modules keep their previous weights, norms included, and every side raises one line saying
+              which groups were committed.
+  finish      nothing left to do (a group never stays open past its update).
 
-A failed update puts the staged modules back on their previous weights and says so; norms written before the
-failure stay written, and the error says that too. `path: full` runs the baseline instead (`full`).
+A failed update is reported to vLLM by one worker only (the executor's last), the others return it as their
+numbers: vLLM 0.32's `collective_rpc` raises on the first failed reply it reads and leaves the later replies
+queued for the next call, which would answer the next refit with this one's replies. `path: full` runs the
+baseline instead (`full`).
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
 from reshard_cli.errors import ConfigError, ReshardError
 from reshard_cli.transfer.comm import refit_group
-from reshard_cli.transfer.live import Refit
+from reshard_cli.transfer.live import Refit, RefitFailed
 
 
 class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
@@ -38,23 +43,35 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
     supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
-        if init_info.path not in ("reshard", "full"):
-            raise ValueError(f"reshard: path must be 'reshard' or 'full', not {init_info.path!r}")
         self.shutdown()
         worker = dist.get_rank() if dist.is_initialized() else 0
+        self.reporter = _reports_failures(self.parallel_config, worker)
+        try:
+            self._init(init_info, worker)
+        except ValueError:
+            self.shutdown()
+            if self.reporter:  # the others return: vLLM reads their replies, then this failure (see above)
+                raise
+
+    def _init(self, init_info: ReshardInitInfo, worker: int) -> None:
+        if init_info.path not in ("reshard", "full"):
+            raise ValueError(f"reshard: path must be 'reshard' or 'full', not {init_info.path!r}")
         src, dst, error = self._check(init_info, worker)
-        group = refit_group(init_info.host, init_info.port, self.refit_rank, init_info.world_size,
-                            timeout=init_info.timeout, device=self.device)
+        try:
+            group = refit_group(init_info.host, init_info.port, self.refit_rank, init_info.world_size,
+                                timeout=init_info.timeout, device=self.device)
+        except ReshardError as e:
+            raise ValueError(f"reshard: vLLM worker {worker}: {e}") from None
         try:
             handshake(group, f"vLLM worker {worker}", digest(dst), error)
         except ReshardError as e:
-            self.target = None
             raise ValueError(f"reshard: {e}") from None
         self.group, self.src, self.dst, self.path = group, src, dst, init_info.path
         self.refit = None
         if self.path == "reshard":
             self.refit = Refit(role="dst", src=src, dst=dst, mode="reshard", bucket_mb=init_info.bucket_mb,
-                               group=group, device=self.device)
+                               group=group, device=self.device, stage_mb=init_info.stage_mb,
+                               who=f"vLLM worker {worker}")
         self.last_stats = None
         self.updated = False
 
@@ -80,8 +97,6 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self._ready()
         if self.path == "full":
             compat.begin_reload(self.model)
-        else:
-            self.target.begin()
         self.updated = False
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
@@ -92,16 +107,19 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         stats = {"worker": self.refit_rank, "error": None}
         try:
             stats.update(self._receive(update_info))
-        except BaseException as e:  # noqa: BLE001 - told to every rank, then raised
+        except RefitFailed as e:  # every rank of the refit raised the same line at the same point
+            stats.update(error=str(e), committed_groups=len(e.committed), groups=len(e.groups))
+        except BaseException as e:  # noqa: BLE001 - this worker alone: the group is broken, nobody to tell
             if self.target is not None:
-                self.target.end()  # staged modules back on their previous weights
-            stats["error"] = (f"{e}; modules vLLM repacks keep their previous weights, the others (norms) may "
-                              f"be partly new: update again")
+                self.target.abort()
+            self.group = None  # the next update needs a new init
+            raise RuntimeError(f"reshard: vLLM worker {self.refit_rank}: {type(e).__name__}: {e}; the open "
+                               f"group keeps its previous weights: init the transfer engine again") from None
         stats["seconds"] = time.perf_counter() - t0
         self.last_stats = stats
         self.updated = True
         self.group.all_gather_object(stats)  # the trainer collects every worker's numbers (or errors)
-        if stats["error"]:
+        if stats["error"] and self.reporter:
             raise RuntimeError(f"reshard: {stats['error']}")
 
     def _receive(self, update_info: ReshardUpdateInfo) -> dict:
@@ -109,16 +127,12 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         if self.path == "full":
             got = full.receive_full(self.group, self.src, self.dst, self.model, self.device)
             return {"bytes_received": got, "direct_bytes": 0, "processed_bytes": got}
-        try:
-            rs = self.refit(self.target.views, verify_checksums=update_info.verify)
-        except BaseException as e:
-            raise RuntimeError(f"the refit failed ({type(e).__name__}: {e})") from e
-        if update_info.verify and not rs.checksums_ok:
-            raise RuntimeError("checksums differ after the refit")
-        processing = self.target.commit()
+        self.target.reset_stats()
+        rs = self.refit(verify_checksums=update_info.verify, stage=self.target)
         return {"bytes_received": rs.bytes_received, "direct_bytes": rs.bytes_received,
-                "processed_bytes": self.target.staged_bytes, "processing_seconds": processing,
-                "checksums_ok": rs.checksums_ok}
+                "processed_bytes": self.target.staged_bytes, "processing_seconds": self.target.processing_seconds,
+                "checksums_ok": rs.checksums_ok, "groups": rs.groups, "committed_groups": rs.groups,
+                "peak_staged_bytes": self.target.peak_staged_bytes}
 
     def update_weights(self, update_info) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # CPU or GPU: the refit synchronizes
@@ -130,7 +144,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             for module in self.model.modules():  # vLLM's own update path needs the same repair
                 cpu_repairs.repack_experts(module)
         else:
-            self.target.end()
+            self.target.abort()  # nothing open after an update; a start without an update leaves nothing either
 
     def _ready(self) -> None:
         if getattr(self, "group", None) is None:
@@ -156,3 +170,11 @@ def check_deployment(dst, parallel_config, worker: int) -> None:
                           f"{'does not' if dst.experts else 'does'}", key="dst")
     if worker >= dst.size:
         raise ConfigError(f"vLLM worker {worker} has no rank in the layout ({dst.size} ranks)", key="dst")
+
+
+def _reports_failures(parallel_config, worker: int) -> bool:
+    """Whether this worker raises an agreed failure to vLLM: only the executor's last worker does (see the
+    module docstring), so vLLM reads every other worker's reply before the failure."""
+    runs = compat.parallel_sizes(parallel_config)
+    per_engine = runs["tp"] * runs["pp"]
+    return worker % per_engine == per_engine - 1

@@ -1,0 +1,69 @@
+"""Staging groups: a refit into an engine that must hold a layer's weights twice while it converts them (a
+checkpoint-format copy beside its kernel format) moves the model in groups of whole layers, so that one group is
+complete, converted and released before the next one arrives. Both sides of a refit derive the same groups from
+the destination layout alone.
+
+A group holds at most `budget` bytes of checkpoint-format tensors on any destination rank; a layer larger than
+the budget is a group on its own, so no group exceeds max(budget, the largest layer). Tensors outside the
+decoder layers (embeddings, the final norm, the head) form one unit of their own, first."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reshard_cli.layouts.layout import Layout, layer_indices
+
+
+@dataclass(frozen=True)
+class Group:
+    tensors: tuple[int, ...]  # indices into the layout's manifest, in manifest order
+    layers: tuple[int, ...]  # decoder layers in the group (sorted)
+    outside: bool  # holds the tensors outside the decoder layers
+    nbytes: int  # the most checkpoint-format bytes one destination rank holds of it
+
+    @property
+    def label(self) -> str:
+        parts = ["embeddings/norm/head"] if self.outside else []
+        if self.layers:
+            a, b = self.layers[0], self.layers[-1]
+            parts.append(f"layer {a}" if a == b else f"layers {a}-{b}")
+        return " + ".join(parts) or "no tensors"
+
+
+def layer_groups(dst: Layout, budget: int | None) -> list[Group]:
+    """The destination's tensors in groups of whole layers, in layer order, each within `budget` bytes per rank
+    (None or 0: one group)."""
+    layer_of = layer_indices(dst.manifest)
+    units: dict[int | None, list[int]] = {}
+    for t, layer in enumerate(layer_of):
+        units.setdefault(layer, []).append(t)
+    order = sorted(units, key=lambda k: -1 if k is None else k)
+    sizes = {k: _most_per_rank(dst, units[k]) for k in order}
+    if not budget:
+        return [_group(units, order, sizes)] if order else []
+    groups, current, held = [], [], 0
+    for k in order:
+        if current and held + sizes[k] > budget:
+            groups.append(_group(units, current, sizes))
+            current, held = [], 0
+        current.append(k)
+        held += sizes[k]
+    if current:
+        groups.append(_group(units, current, sizes))
+    return groups
+
+
+def _group(units: dict, keys: list, sizes: dict) -> Group:
+    tensors = tuple(sorted(t for k in keys for t in units[k]))
+    return Group(tensors, tuple(k for k in keys if k is not None), None in keys, sum(sizes[k] for k in keys))
+
+
+def _most_per_rank(layout: Layout, tensors: list[int]) -> int:
+    """The most bytes any rank of `layout` holds of `tensors`."""
+    per_rank: dict[int, int] = {}
+    specs = layout.manifest.tensors
+    for t in tensors:
+        spec, p = specs[t], layout.placements[t]
+        for box, ranks in p.boxes(spec.shape):
+            for r in ranks:
+                per_rank[r] = per_rank.get(r, 0) + box.numel * spec.itemsize
+    return max(per_rank.values(), default=0)

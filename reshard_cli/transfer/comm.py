@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import pickle
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Callable
 
@@ -23,6 +25,10 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, RuntimeFailure
+from reshard_cli.transfer.watchdog import POLL, GroupBroken, Watchdog
+
+STALL = 30.0  # seconds without a heartbeat after which a refit group's peer is named as stalled (at most; half
+# the group's timeout when that is shorter, so the watchdog speaks before the transport times out)
 
 
 class WorldComm:
@@ -61,11 +67,17 @@ class WorldComm:
 
 
 class GroupComm:
-    """A stand-alone ProcessGroup (not registered with torch.distributed), for example from `refit_group`."""
+    """A stand-alone ProcessGroup (not registered with torch.distributed), for example from `refit_group`.
 
-    def __init__(self, pg, rank: int, size: int, device: torch.device | str = "cpu"):
+    With a `watchdog` (`transfer.watchdog`), every wait on the group's traffic ends as soon as any rank reports
+    a fault or stops answering, with a line naming that rank (`GroupBroken`), instead of at the timeout."""
+
+    def __init__(self, pg, rank: int, size: int, device: torch.device | str = "cpu", watchdog: Watchdog | None = None):
         self.pg, self._rank, self._size = pg, rank, size
         self.device = torch.device(device)  # where the group's own small tensors live (cuda for NCCL)
+        self.watchdog = watchdog
+        self.broken: GroupBroken | None = None
+        self._waiter: ThreadPoolExecutor | None = None
 
     @property
     def rank(self) -> int:
@@ -76,10 +88,67 @@ class GroupComm:
         return self._size
 
     def isend(self, t: torch.Tensor, peer: int):
-        return self.pg.send([t], peer, 0)
+        return _Work(self, self._post(self.pg.send, [t], peer, 0))
 
     def irecv(self, t: torch.Tensor, peer: int):
-        return self.pg.recv([t], peer, 0)
+        return _Work(self, self._post(self.pg.recv, [t], peer, 0))
+
+    def _post(self, op, *args):
+        """Start a message; a transport that refuses it (a peer's closed connection) is explained like a
+        failed wait."""
+        if self.watchdog is None:
+            return op(*args)
+        if self.broken is not None:
+            raise self.broken
+        try:
+            return op(*args)
+        except Exception as e:  # noqa: BLE001
+            self.fail(self.watchdog.cause(e))
+
+    def wait(self, work) -> None:
+        """`work.wait()`, ended early (GroupBroken) by a fault the watchdog sees."""
+        if self.watchdog is None:
+            work.wait()
+            return
+        if self.broken is not None:
+            raise self.broken
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"reshard-wait-{self._rank}")
+        if self.device.type == "cuda":
+            self._waiter.submit(torch.cuda.set_device, self.device).result()
+        done = self._waiter.submit(work.wait)
+        while True:
+            try:
+                done.result(timeout=POLL)
+                return
+            except FutureTimeout:
+                line = self.watchdog.check()
+                if line:
+                    self.fail(line)
+            except GroupBroken:
+                raise
+            except Exception as e:  # noqa: BLE001 - the transport's own error: whose fault was it?
+                self.fail(self.watchdog.cause(e))
+
+    def fail(self, line: str, *, report: bool = True):
+        """Give the group up with `line` (told to every other rank first); raises GroupBroken."""
+        if self.broken is None:
+            self.broken = GroupBroken(line)
+            if report and self.watchdog is not None:
+                self.watchdog.report(line)
+            if self._waiter is not None:
+                self._waiter.shutdown(wait=False)  # its thread may stay blocked in the transport until the timeout
+        raise self.broken
+
+    def name_ranks(self, roles: list[str]) -> None:
+        """What each rank is ("trainer 0", "vLLM worker 1"), for the watchdog's lines."""
+        if self.watchdog is not None:
+            self.watchdog.roles = list(roles)
+
+    def close(self) -> None:
+        """Stop the heartbeat (the group is not used again)."""
+        if self.watchdog is not None:
+            self.watchdog.close()
 
     def new_group(self, ranks: list[int]):
         raise ConfigError("the broadcast path needs the job's default process group; a refit over its own group "
@@ -90,32 +159,43 @@ class GroupComm:
 
     def barrier(self) -> None:
         flag = torch.zeros(1, device=self.device)
-        self.pg.allreduce([flag]).wait()
+        self.wait(self.pg.allreduce([flag]))
 
     def all_gather_object(self, obj) -> list:
         """Every rank's `obj` (pickled, as torch's own all_gather_object does, between this job's processes)."""
         dev = self.device
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self._size)]
-        self.pg.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64, device=dev)]).wait()
+        self.wait(self.pg.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64, device=dev)]))
         longest = int(max(s.item() for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
         padded[:data.numel()] = data.to(dev)
         outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self._size)]
-        self.pg.allgather([outs], [padded]).wait()
+        self.wait(self.pg.allgather([outs], [padded]))
         return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]  # noqa: S301
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         moved = t.to(self.device)
-        self.pg.allreduce([moved], opts).wait()
+        self.wait(self.pg.allreduce([moved], opts))
         if moved is not t:
             t.copy_(moved)
 
 
+class _Work:
+    """A message of a GroupComm, whose wait the group's watchdog can end."""
+
+    def __init__(self, comm: GroupComm, work):
+        self.comm, self.work = comm, work
+
+    def wait(self) -> None:
+        self.comm.wait(self.work)
+
+
 def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 300.0,
-                device: torch.device | str = "cpu", abort: Callable[[], str | None] | None = None) -> GroupComm:
+                device: torch.device | str = "cpu", abort: Callable[[], str | None] | None = None,
+                stall: float | None = None) -> GroupComm:
     """Join (rank 0: host) a group of `size` processes over a TCP store at host:port, leaving torch.distributed's
     default group, if any, untouched: gloo for CPU tensors, NCCL when `device` is a CUDA device (every rank of
     one group must pass the same kind).
@@ -133,6 +213,7 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
         raise RuntimeFailure(f"refit group: rank {rank} {where} {host}:{port} within {timeout:.0f} s "
                              f"({first})") from None
     prefixed = dist.PrefixStore("reshard-refit", store)
+    watchdog = Watchdog(store, rank, size, stall=min(timeout / 2, STALL) if stall is None else stall)
     _check_in(prefixed, rank, size, timeout, abort)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
@@ -140,8 +221,9 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
         pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout))
-    comm = GroupComm(pg, rank, size, device if device.type == "cuda" else "cpu")
+    comm = GroupComm(pg, rank, size, device if device.type == "cuda" else "cpu", watchdog=watchdog)
     comm._store = store  # keep the store (and, on rank 0, its server) alive with the group
+    watchdog.start()
     return comm
 
 

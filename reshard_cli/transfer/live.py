@@ -34,6 +34,7 @@ from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.transfer import verify
 from reshard_cli.transfer.agree import gather_failures, one_line
 from reshard_cli.transfer.comm import WORLD, GroupComm
+from reshard_cli.transfer.watchdog import GroupBroken
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.pipeline import build_engine, ready_plan, transfer_options
 from reshard_cli.transfer.shards import LocalShard
@@ -69,9 +70,11 @@ class RefitFailed(RuntimeFailure):
     """A refit in agreed groups failed on some rank; every rank raises the same line. `committed`: the groups
     committed before the failure (the same on every rank), `groups`: all of them."""
 
-    def __init__(self, message: str, committed: list[Group], groups: list[Group], exit_code: int = 1):
+    def __init__(self, message: str, committed: list[Group], groups: list[Group], exit_code: int = 1,
+                 broken: bool = False):
         super().__init__(message)
         self.committed, self.groups, self.exit_code = committed, groups, exit_code
+        self.broken = broken  # the refit group is given up (a rank died, stalled or failed mid-transfer)
 
     @property
     def partial(self) -> bool:
@@ -304,8 +307,17 @@ class Refit:
 
     def _agreed_group(self, i: int, part: _Part, tensors, verify_checksums: bool, stage: Stage | None) -> bool:
         """One group under agreement: open and bind (agreed), move and verify (agreed), then commit, or abort
-        everywhere. Returns whether the checksums matched (True when not verified)."""
+        everywhere. Returns whether the checksums matched (True when not verified). A refit group whose
+        watchdog names a failed, dead or stalled rank ends the group at once on every rank that sees it."""
         opened = stage if stage is not None and self.rank in part.plan.dst.ranks else None
+        try:
+            return self._group_steps(i, part, tensors, verify_checksums, opened)
+        except GroupBroken as e:
+            if opened is not None:
+                opened.abort(part.group)
+            raise RefitFailed(f"{e}; {self._progress(i)}", self.groups[:i], self.groups, broken=True) from None
+
+    def _group_steps(self, i: int, part: _Part, tensors, verify_checksums: bool, opened: Stage | None) -> bool:
         error, shards = None, None
         try:
             if opened is not None:
@@ -318,8 +330,12 @@ class Refit:
         error, bad = None, []
         try:
             self._move(part)
+        except GroupBroken:
+            raise
         except Exception as e:  # noqa: BLE001
             error = f"the transfer failed ({type(e).__name__}: {e})"
+            if hasattr(self.comm, "fail"):  # peers may be blocked on this rank's bytes: end their waits now
+                self.comm.fail(f"{self._me()}: {error}")
         if verify_checksums:
             bad = self._mismatched(part)
             if bad and error is None:

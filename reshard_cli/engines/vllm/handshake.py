@@ -29,6 +29,8 @@ def handshake(comm, role: str, model, error: str | None) -> None:
     differ do the ranks exchange the models themselves, to name the first difference."""
     mine = hashlib.sha256(repr(model).encode()).hexdigest() if model is not None else None
     everyone = comm.all_gather_object({"role": role, "model": mine, "error": error})
+    if hasattr(comm, "name_ranks"):
+        comm.name_ranks([x["role"] for x in everyone])
     failures = [Failure(r, x["error"], 2, x["role"]) for r, x in enumerate(everyone) if x["error"]]
     if failures:
         raise ConfigError(one_line(failures, label="refit rank"))

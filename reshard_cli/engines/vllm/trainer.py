@@ -22,6 +22,7 @@ from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
 from reshard_cli.transfer.comm import refit_group
 from reshard_cli.transfer.live import Refit, RefitFailed
+from reshard_cli.transfer.watchdog import GroupBroken
 
 _api = compat.transfer_api()
 
@@ -95,6 +96,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         version becomes `weight_version` when every group was committed; unchanged when none was; a partial
         marker (`<version>+partial-<k>of<n>`) when a failure left the first k of n groups new. A failure raises
         one line on every trainer rank, after the engine has been told to finish the update."""
+        if self.group is None:
+            raise RuntimeError("reshard: the refit group was given up after a failure: trainer_init again")
         tensors = self._tensors()
         if self.is_sender:
             self._start_update()
@@ -102,11 +105,16 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         t0 = time.perf_counter()
         failure: RefitFailed | None = None
         try:
+            everyone, mine = [], {"bytes_sent": 0, "checksums_ok": None}
             try:
                 mine = self._send(tensors)
-            except RefitFailed as e:  # agreed by every rank of the refit: the numbers are still exchanged
-                failure, mine = e, {"bytes_sent": 0, "checksums_ok": None}
-            everyone = self.group.all_gather_object(None)  # the workers' stats, after their update
+                everyone = self.group.all_gather_object(None)  # the workers' stats, after their update
+            except RefitFailed as e:  # the same line on every rank that saw it
+                failure = e
+                if not e.broken:
+                    everyone = self.group.all_gather_object(None)
+            except GroupBroken as e:  # a rank died or stalled outside the groups (the full path, the stats)
+                failure = RefitFailed(str(e), [], [], broken=True)
         finally:
             if self.is_sender:
                 try:
@@ -127,6 +135,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             if reset is not None and (failure is None or failure.partial):
                 reset()
         if failure is not None:
+            if failure.broken:  # the group is given up: the next refit needs a new trainer_init
+                self.shutdown()
             raise RuntimeError(f"reshard: {failure}") from None
         failed = next((w for w in workers if w["error"]), None)
         if failed:
@@ -153,6 +163,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         return {"bytes_sent": sent, "checksums_ok": None}
 
     def shutdown(self) -> None:
+        if getattr(self, "group", None) is not None:
+            self.group.close()
         self.refit = self.group = None
 
 

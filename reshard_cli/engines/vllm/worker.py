@@ -105,20 +105,27 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             raise RuntimeError("reshard: one update_weights per start_weight_update (it moves every tensor)")
         t0 = time.perf_counter()
         stats = {"worker": self.refit_rank, "error": None}
+        broken = False
         try:
             stats.update(self._receive(update_info))
-        except RefitFailed as e:  # every rank of the refit raised the same line at the same point
+        except RefitFailed as e:  # the same line on every rank that saw it
             stats.update(error=str(e), committed_groups=len(e.committed), groups=len(e.groups))
-        except BaseException as e:  # noqa: BLE001 - this worker alone: the group is broken, nobody to tell
+            broken = e.broken
+        except BaseException as e:  # noqa: BLE001 - this worker alone (the full path, a bug): the group is lost
             if self.target is not None:
                 self.target.abort()
-            self.group = None  # the next update needs a new init
-            raise RuntimeError(f"reshard: vLLM worker {self.refit_rank}: {type(e).__name__}: {e}; the open "
-                               f"group keeps its previous weights: init the transfer engine again") from None
+            stats["error"] = (f"vLLM worker {self.refit_rank}: {type(e).__name__}: {e}; the open group keeps its "
+                              f"previous weights")
+            broken = True
         stats["seconds"] = time.perf_counter() - t0
         self.last_stats = stats
         self.updated = True
-        self.group.all_gather_object(stats)  # the trainer collects every worker's numbers (or errors)
+        if broken:  # nobody to exchange numbers with: the next update needs a new init
+            self.group.close()
+            self.group = None
+            stats["error"] += "; init the transfer engine again before the next update"
+        else:
+            self.group.all_gather_object(stats)  # the trainer collects every worker's numbers (or errors)
         if stats["error"] and self.reporter:
             raise RuntimeError(f"reshard: {stats['error']}")
 
@@ -138,12 +145,13 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self.receive_weights(self.parse_update_info(update_info))  # CPU or GPU: the refit synchronizes
 
     def finish_weight_update(self) -> None:
-        self._ready()
-        if self.path == "full":
+        """Ends the update on vLLM's side too, so it always succeeds: also after a failure that gave the
+        group up (vLLM refuses the next start until a finish)."""
+        if getattr(self, "path", None) == "full":
             compat.finish_reload(self.model, self.model_config)
             for module in self.model.modules():  # vLLM's own update path needs the same repair
                 cpu_repairs.repack_experts(module)
-        else:
+        elif getattr(self, "target", None) is not None:
             self.target.abort()  # nothing open after an update; a start without an update leaves nothing either
 
     def _ready(self) -> None:
@@ -151,6 +159,8 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             raise RuntimeError("reshard: init_weight_transfer_engine first")
 
     def shutdown(self) -> None:
+        if getattr(self, "group", None) is not None:
+            self.group.close()
         self.refit = self.group = self.target = None
 
 

@@ -151,6 +151,9 @@ def run(
     refit_host: Optional[str] = typer.Option(None, "--refit-host", help="Into a running engine (`engine: {url}`): "
                                              "the address its workers reach this job's rank 0 at (default: "
                                              "MASTER_ADDR)."),
+    stage_mb: Optional[float] = typer.Option(None, "--stage-mb", help="Into a running engine: checkpoint-format "
+                                             "MiB each worker stages at once, whole layers (0: the whole model; "
+                                             "default: the layout's engine.stage_mb, else 1024)."),
     scale: int = ScaleOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch commands and the rank -> node -> "
                                  "group -> mesh -> domain map, start nothing."),
@@ -166,11 +169,13 @@ def run(
     opts = run_mod.RunOptions(src=src, dst=dst, topology=topology, mode=mode, reshard_match=reshard_match,
                               backend=backend, bucket_mb=bucket_mb, source=source, out=out, overwrite=overwrite,
                               iters=iters, json=json_out, quiet=quiet, timeout=timeout, link_test=link_test,
-                              refit_host=refit_host, scale=scale, argv=sys.argv[1:])
+                              refit_host=refit_host, stage_mb=stage_mb, scale=scale, argv=sys.argv[1:])
     if iters < 1:
         raise ConfigError("must be >= 1", key="--iters")
     if bucket_mb <= 0:
         raise ConfigError("must be > 0", key="--bucket-mb")
+    if stage_mb is not None and stage_mb < 0:
+        raise ConfigError("must be >= 0 (0: the whole model at once)", key="--stage-mb")
     if not under_torchrun():
         run_mod.launch_run(opts)
         return

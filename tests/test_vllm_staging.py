@@ -32,7 +32,8 @@ TIMEOUT = {"agreed": 120, "broken": 12}  # the group's timeout; a peer silent th
 
 
 class _Client:
-    """The trainer's client when the test's workers drive themselves: records the weight versions set."""
+    """The trainer's client when the test's workers drive themselves: records the weight versions set (by a
+    finish, or alone after a partial commit)."""
 
     def __init__(self):
         self.versions = []
@@ -47,7 +48,11 @@ class _Client:
         pass
 
     def finish_weight_update(self, weight_version=None):
-        self.versions.append(weight_version)
+        if weight_version is not None:
+            self.versions.append(weight_version)
+
+    def update_weight_version(self, new_version):
+        self.versions.append(new_version)
 
 
 def _trainer(rank, ports, model_dir, dst_yaml, stage_mb, scenario):
@@ -256,7 +261,7 @@ def test_staged_refit_commits_whole_groups_or_nothing(tmp_path):
         assert "refit rank 3 (vLLM worker 1): MemoryError: simulated" in steps[3][1], steps[3]
         groups = steps[0][1]
         if rank == 0:  # the rank that drives the engine sets its weight version
-            assert versions == ["step-0", None, None, f"step-3+partial-2of{groups}", "step-4"], versions
+            assert versions == ["step-0", f"step-3+partial-2of{groups}", "step-4"], versions
 
 
 def test_a_failed_or_stalled_rank_is_named_and_the_next_refit_lands(tmp_path):

@@ -42,9 +42,9 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
             if key in doc and owner is not fmt:
                 raise ConfigError(f"`{key}:` {owner.keys[key]}; it needs `format: {owner.name}` (this layout has "
                                   f"format: {fmt.name})", file=file, key=key, line=line_of(doc, key))
-    url = fmt.engine_url(doc, file) if fmt.engine_url else None
+    engine = fmt.engine(doc, file) if fmt.engine else None
     return _layout.layout_from_doc(doc, file=file, first_rank=first_rank, scale=scale, format=fmt.name,
-                                   expand=fmt.expand, engine_url=url, format_keys=tuple(_OWNED))
+                                   expand=fmt.expand, engine=engine, format_keys=tuple(_OWNED))
 
 
 def load_layout(path: str | Path, *, first_rank: int = 0, scale: int = 1) -> _layout.Layout:

@@ -5,7 +5,9 @@ shapes); a format maps that space to the framework's own storage:
 
 - `expand(doc, manifest, file)`: the layout document with what the format derives (meshes, pipeline split,
   expert owners, placement rules) filled in from the framework's own parallel arguments;
-- `engine_url(doc, file)`: a running engine the layout describes (`engine: {url: ...}`), or None;
+- `engine(doc, file)`: what the layout says about the engine it runs in (`engine: {url: ..., stage_mb: ...}`):
+  `url`, a running engine to push into, and `stage_mb`, what each of its workers stages at once (each None
+  when not given);
 - `storage(layout, rank)`: the framework's tensors on one rank, each with the views of checkpoint boxes it is
   made of (`formats.storage.EngineTensor`);
 - `bind(params, layout, rank, casts)`: a live model's parameters as views of this rank's checkpoint tensors,
@@ -31,7 +33,7 @@ class Format:
     description: str
     keys: dict = field(default_factory=dict)  # top-level layout key -> what it holds (for errors)
     expand: Callable | None = None
-    engine_url: Callable | None = None
+    engine: Callable | None = None
     storage: Callable | None = None
     bind: Callable | None = None
     summary: Callable | None = None

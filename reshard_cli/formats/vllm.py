@@ -39,7 +39,7 @@ from reshard_cli.formats.storage import EngineTensor, View  # noqa: F401 - re-ex
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 EXPERT_STACK = "routed_experts"  # vLLM 0.32's FusedMoE keeps the stacked experts under mlp.experts.routed_experts
-ENGINE_KEYS = ("expert_parallel", "expert_placement", "kind", "url")
+ENGINE_KEYS = ("expert_parallel", "expert_placement", "kind", "stage_mb", "url")
 DIMS = ("dp", "pp", "tp")
 
 # checkpoint-name patterns (HF naming, as the manifests list them)
@@ -63,7 +63,7 @@ def expand(doc: dict, manifest, file: str) -> dict:
     dims = format_mesh(doc, "vllm", DIMS, ("meshes", "placements", "pipeline", "experts"), "engine", file)
     mesh = doc["mesh"]
     engine = format_options(doc, "engine", ENGINE_KEYS, file)
-    engine_url(doc, file)  # checked here with the other keys
+    engine_block(doc, file)  # checked here with the other keys
     ep = bool(engine.get("expert_parallel", False))
     if ep and not ({"dp", "tp"} & set(dims)):
         raise ConfigError("expert parallelism spreads experts over the dp x tp ranks; this mesh has neither",
@@ -127,9 +127,18 @@ def _kv_rule(doc: dict, meshes: dict, tp: int, kv: int, file: str) -> dict:
     return {"match": _KV, "mesh": "default", "shard": {"tp": 0}}
 
 
-def engine_url(doc: dict, file: str) -> str | None:
-    """`engine: {kind: vllm, url: http://host:port}`: a running `vllm serve` that `reshard run` pushes into."""
+def engine_block(doc: dict, file: str) -> dict:
+    """`engine: {kind: vllm, url: http://host:port, stage_mb: 1024}`: a running `vllm serve` that `reshard run`
+    pushes into, and the checkpoint-format MiB each of its workers stages at once during an update."""
     engine = doc.get("engine") or {}
+    stage = engine.get("stage_mb")
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, (int, float)) or stage < 0):
+        raise ConfigError(f"expected MiB >= 0 (0: the whole model at once), got {stage!r}", file=file,
+                          key="engine.stage_mb", line=_line(engine, "stage_mb"))
+    return {"url": _engine_url(engine, file), "stage_mb": stage}
+
+
+def _engine_url(engine, file: str) -> str | None:
     kind = engine.get("kind", "vllm")
     if kind != "vllm":
         raise ConfigError(f"`format: vllm` runs in a vllm engine, not {kind!r}", file=file, key="engine.kind",
@@ -300,4 +309,4 @@ def bind(params: dict, layout, rank: int, casts: list | None = None) -> dict:
 
 
 FORMAT = Format(name="vllm", description="a vLLM engine's fused and stacked tensors, placed as vLLM shards them",
-                keys={"engine": "describes a vLLM deployment (expert parallelism, a running server)"}, expand=expand, engine_url=engine_url, storage=storage, bind=bind, summary=summary)
+                keys={"engine": "describes a vLLM deployment (expert parallelism, a running server)"}, expand=expand, engine=engine_block, storage=storage, bind=bind, summary=summary)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import product
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from reshard_cli.base.geometry import Box, shard_box
 from reshard_cli.errors import ConfigError
@@ -132,7 +132,12 @@ class Layout:
     source: Any = None  # raw `source:` mapping (used by `reshard run`)
     format: str = "hf"  # how the framework stores the tensors (reshard_cli.formats)
     expert_order: str = "linear"  # expert e's owner: see expert_owner()
-    engine_url: str | None = None  # a running engine this layout describes (`engine: {url: ...}`)
+    engine: Mapping = field(default_factory=dict)  # about the engine it runs in: `url`, `stage_mb` (formats)
+
+    @property
+    def engine_url(self) -> str | None:
+        """A running engine this layout describes (`engine: {url: ...}`)."""
+        return self.engine.get("url")
 
     @property
     def size(self) -> int:
@@ -176,7 +181,7 @@ class Layout:
 
 
 def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1, format: str = "hf",
-                    expand: Callable | None = None, engine_url: str | None = None,
+                    expand: Callable | None = None, engine: Mapping | None = None,
                     format_keys: tuple = ()) -> Layout:
     """A layout from its document; `file` names it in errors and relative paths resolve against its directory.
 
@@ -206,7 +211,7 @@ def layout_from_doc(doc: dict, *, file: str, first_rank: int = 0, scale: int = 1
     return Layout(file=file, name=name, manifest=manifest, ranks=ranks, meshes=meshes, pipeline=pipeline,
                   stage_of_layer=stage_of_layer, experts=experts, rules=tuple(rules),
                   placements=tuple(placements), source=doc.get("source"), format=format, expert_order=expert_order,
-                  engine_url=engine_url)
+                  engine=dict(engine or {}))
 
 
 def _manifest(doc: dict, file: str, scale: int) -> Manifest:

@@ -190,6 +190,10 @@ def collected(stage: str) -> Iterator[None]:
     except ReshardError as e:
         err = e
     except Exception as e:  # noqa: BLE001 - reported collectively
+        if getattr(e, "group_broken", False):  # a peer failed, died or stalled, and the line names it: no
+            # collective could complete with it, so rank 0 says it now and torchrun stops the others
+            line = str(e).removeprefix("reshard: ")
+            raise RankFailure(line, 1) if dist.get_rank() == 0 else Reported(line, 1) from None
         err = RuntimeFailure(f"{e.__class__.__name__}: {e}")
     all_ok(stage, err)
 

@@ -150,7 +150,10 @@ class Refit:
         destination that refits in groups may pass a `stage` instead, which opens each group's buffers."""
         tensors = tensors or {}
         if self.plan is None:
-            self._setup(tensors)
+            try:
+                self._setup(tensors)
+            except GroupBroken as e:
+                raise RefitFailed(f"{e}; {self._progress(0)}", [], [], broken=True) from None
         # No barriers: the messages themselves order the ranks. When this returns, this rank's part is done
         # (a destination's buffers hold the new weights; a source may change its tensors again).
         t0 = time.perf_counter()

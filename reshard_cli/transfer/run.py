@@ -61,6 +61,7 @@ class RunOptions(JobOptions):
     json: Path | None = None
     link_test: bool = True
     refit_host: str | None = None  # where a running engine reaches this job's rank 0 (`engine: {url}` layouts)
+    stage_mb: float | None = None  # into a running engine: what each worker stages at once (the layout's else)
 
     @property
     def transfer(self) -> TransferOptions:

@@ -37,6 +37,9 @@ class LLMClient:
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
+    def update_weight_version(self, new_version: str) -> None:
+        self.llm.update_weight_version(new_version)
+
 
 def http_client(url: str, timeout: float):
     """vLLM's own HTTP client of the weight-transfer routes, which also drops the server's prefix cache."""

@@ -103,13 +103,16 @@ def module_source_params(source) -> dict | None:
 
 
 def http_client(url: str, timeout: float):
-    """vLLM's HTTP client of the weight-transfer routes, which also drops the server's prefix cache (a route
-    vLLM's client has no method for: posted through its private `_post`)."""
+    """vLLM's HTTP client of the weight-transfer routes, which also drops the server's prefix cache and sets
+    its weight version alone (routes vLLM's client has no method for: posted through its private `_post`)."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     class Client(HTTPVLLMWeightSyncClient):
         def reset_prefix_cache(self) -> None:
             self._post("reset_prefix_cache")
+
+        def update_weight_version(self, new_version: str) -> None:
+            self._post("update_weight_version", {"new_version": new_version})
 
     return Client(url, timeout=timeout)
 

@@ -52,6 +52,20 @@ def _first_difference(m0: list, m: list) -> str:
     return next(f"{n}: {list(a[n][0])} {a[n][1]} vs {list(b[n][0])} {b[n][1]}" for n in a if a[n] != b[n])
 
 
+DEFAULT_STAGE_MB = 1024.0  # a few layers of the largest models per worker: room beside a full KV cache
+
+
+def stage_mb(given: float | None, dst) -> float:
+    """What each worker stages at once: the init info's value, else the engine layout's `engine: {stage_mb}`,
+    else DEFAULT_STAGE_MB. Both sides derive it from the same info and layout text, so they agree."""
+    for value in (given, dst.engine.get("stage_mb")):
+        if value is not None:
+            if value < 0:
+                raise ConfigError(f"must be >= 0 MiB (0: the whole model at once), not {value}", key="stage_mb")
+            return float(value)
+    return DEFAULT_STAGE_MB
+
+
 def layouts(src_text: str, dst_text: str, trainer_size: int = 0):
     """The two layouts from YAML text (src may be empty: read from DTensors at the first refit; the engine's
     ranks then start after the trainer's `trainer_size` unless its layout says otherwise)."""

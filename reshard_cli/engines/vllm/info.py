@@ -24,7 +24,8 @@ class ReshardInitInfo(_api.WeightTransferInitInfo):
     timeout: float = 300.0
     bucket_mb: float = 64.0
     path: str = "reshard"  # or "full": the baseline (full tensors to every worker, then load_weights)
-    stage_mb: float = 1024.0  # checkpoint-format MiB a worker stages at once (whole layers); 0: the whole model
+    stage_mb: float | None = None  # checkpoint-format MiB a worker stages at once (whole layers; 0: the whole
+    # model); None: the layout's `engine: {stage_mb}`, else handshake.DEFAULT_STAGE_MB
 
 
 @dataclass
@@ -44,7 +45,7 @@ class ReshardTrainerInitInfo(_api.TrainerInitInfo):
     bucket_mb: float = 64.0
     path: str = "reshard"
     verify: bool = True
-    stage_mb: float = 1024.0  # what each worker stages at once (ReshardInitInfo.stage_mb)
+    stage_mb: float | None = None  # what each worker stages at once (ReshardInitInfo.stage_mb)
 
 
 plugin.register()  # importing the trainer API is enough to use it (see the module docstring)

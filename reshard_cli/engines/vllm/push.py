@@ -12,7 +12,7 @@ from reshard_cli.base.ports import free_port
 from reshard_cli.base.text import fmt_bytes, table
 from reshard_cli.engines.vllm.clients import check_engine, http_client, portable_layout
 from reshard_cli.plan.planner import Plan
-from reshard_cli.transfer import launcher
+from reshard_cli.transfer import launcher, run
 from reshard_cli.transfer.results import RunReport
 from reshard_cli.transfer.run import RunOptions, load
 
@@ -37,11 +37,13 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
     info = ReshardTrainerInitInfo(
         host=opts.refit_host or os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port[0], rank=rank,
         src=portable_layout(plan.src.file), dst=portable_layout(plan.dst.file), timeout=opts.timeout,
-        bucket_mb=opts.bucket_mb)
+        bucket_mb=opts.bucket_mb, stage_mb=opts.stage_mb)
     client = http_client(url, opts.timeout) if rank == 0 else None
     with launcher.collected("starting the engine's refit"):
         engine = ReshardTrainerEngine.trainer_init(info, client=client, source=ReshardSource(lambda: tensors))
     reports = []
+    if run.HOOKS is not None:
+        run.HOOKS.before_transfer(rank)
     with launcher.collected("pushing into the engine"):
         for _ in range(max(opts.iters, 1)):
             reports.append(engine.send_weights())
@@ -61,6 +63,8 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
     received = sum(w["bytes_received"] for w in workers)
     direct = sum(w["direct_bytes"] for w in workers)
     repacked = sum(w.get("processed_bytes", 0) for w in workers)
+    peak = max((w.get("peak_staged_bytes") or 0 for w in workers), default=0)
+    groups = reports[-1]["trainer"].get("groups", 1)
     ok = all(r["trainer"]["checksums_ok"] for r in reports) and all(w.get("checksums_ok") for w in workers)
     stats = plan.stats()
     doc = {"mode": "reshard", "src": plan.src.name, "dst": plan.dst.name, "engine": url,
@@ -68,7 +72,8 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
            "seconds": seconds, "bytes": stats["bytes"], "wire_bytes": received,
            "wire_gbps": received / seconds / 1e9 if seconds else 0.0,
            "direct_bytes": direct, "direct_bytes_fraction": direct / received if received else 1.0,
-           "engine_repacked_bytes": repacked, "verified": "checksums", "ok": ok,
+           "engine_repacked_bytes": repacked, "staging_groups": groups, "peak_staged_bytes": peak,
+           "weight_version": reports[-1].get("weight_version"), "verified": "checksums", "ok": ok,
            "workers": [{k: v for k, v in w.items() if k != "error"} for w in workers]}
     rows = [["reshard", stats["tensors"], fmt_bytes(stats["bytes"]), fmt_bytes(received), f"{seconds * 1e3:.1f}",
              f"{doc['wire_gbps']:.2f}", 0 if ok else "checksums differ"]]
@@ -79,10 +84,13 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
              f"  into engine storage: {fmt_bytes(direct)} of {fmt_bytes(received)} received bytes landed in place "
              f"({100 * doc['direct_bytes_fraction']:.0f} %); vLLM then repacked {fmt_bytes(repacked)} into its "
              f"kernels' format",
+             f"  staged in {groups} group(s) of whole layers, each committed once every worker had it: at most "
+             f"{fmt_bytes(peak)} in checkpoint format at once on one worker",
              "  verified by checksums the workers computed of what they hold:"]
     for w in workers:
         lines.append(f"    worker rank {w['worker']:>4}  {fmt_bytes(w['bytes_received']):>10}  "
-                     f"{'ok' if w.get('checksums_ok') else 'WRONG'}")
+                     f"{'ok' if w.get('checksums_ok') else 'WRONG'}  staged at most "
+                     f"{fmt_bytes(w.get('peak_staged_bytes') or 0)}")
     if not ok:
         lines.append("  FAILED: the engine's weights differ from the source")
     return RunReport("\n".join(lines), doc, failed=not ok)

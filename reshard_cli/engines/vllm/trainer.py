@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from reshard_cli import formats
 from reshard_cli.engines.vllm import compat, full
 from reshard_cli.engines.vllm.clients import Call
-from reshard_cli.engines.vllm.handshake import digest, handshake, layouts
+from reshard_cli.engines.vllm.handshake import digest, handshake, layouts, stage_mb
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
 from reshard_cli.transfer.comm import refit_group
@@ -25,6 +25,16 @@ from reshard_cli.transfer.live import Refit, RefitFailed
 from reshard_cli.transfer.watchdog import GroupBroken
 
 _api = compat.transfer_api()
+
+
+class UpdateFailed(RuntimeError):
+    """An update that failed on some rank of the refit, the same line on every trainer rank. `committed` and
+    `groups`: the staging groups the engine committed before the failure, and all of them; `group_broken`:
+    the refit group was given up (a rank failed mid-transfer, died or stalled): trainer_init again."""
+
+    def __init__(self, message: str, failure: RefitFailed):
+        super().__init__(message)
+        self.committed, self.groups, self.group_broken = failure.committed, failure.groups, failure.broken
 
 
 class ReshardSource(_api.WeightSource):
@@ -71,6 +81,10 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                                  abort=call.failure if call is not None else None)
         error = _own_error(src, tensors, init_info.rank)
         try:
+            stage_mb(init_info.stage_mb, dst)
+        except ConfigError as e:
+            error = error or str(e)
+        try:
             handshake(self.group, f"trainer {init_info.rank}",
                       digest(src, None if src is not None or error else tensors), error)
         finally:
@@ -78,8 +92,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                 call.join()
         self.src, self.dst = src, dst
         self.refit = (Refit(role="src", src=src, dst=dst, mode="reshard", bucket_mb=init_info.bucket_mb,
-                            group=self.group, stage_mb=init_info.stage_mb, who=f"trainer {init_info.rank}")
-                      if init_info.path == "reshard" else None)
+                            group=self.group, stage_mb=stage_mb(init_info.stage_mb, dst),
+                            who=f"trainer {init_info.rank}") if init_info.path == "reshard" else None)
         return self
 
     def _tensors(self) -> Mapping[str, torch.Tensor]:
@@ -123,35 +137,45 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                     pass  # the workers' own error, gathered above, says more
         seconds = time.perf_counter() - t0
         workers = [s for s in everyone if s is not None]
+        failed = next((w for w in workers if w["error"]), None)
         version = weight_version
         if failure is not None:
             version = (None if not failure.partial else
                        f"{weight_version or 'update'}+partial-{len(failure.committed)}of{len(failure.groups)}")
         if self.is_sender:
-            self.client.finish_weight_update(version)
-            # the KV cache of earlier prompts was computed with the old weights: vLLM does not drop it on
-            # a weight update, so a cached prefix would be served from the old model
-            reset = getattr(self.client, "reset_prefix_cache", None)
-            if reset is not None and (failure is None or failure.partial):
-                reset()
+            self._finish_update(version, failure is None and failed is None, changed=failure is None or failure.partial)
         if failure is not None:
             if failure.broken:  # the group is given up: the next refit needs a new trainer_init
                 self.shutdown()
-            raise RuntimeError(f"reshard: {failure}") from None
-        failed = next((w for w in workers if w["error"]), None)
+            raise UpdateFailed(f"reshard: {failure}", failure) from None
         if failed:
             raise RuntimeError(f"reshard: refit rank {failed['worker']} (vLLM worker): {failed['error']}")
         return {"seconds": seconds, "trainer": mine, "workers": workers, "weight_version": version}
 
+    def _finish_update(self, version: str | None, ok: bool, *, changed: bool) -> None:
+        """The engine's finish_weight_update, and what a changed model needs: the new weight version, and the
+        prefix cache dropped (the KV of earlier prompts was computed with the old weights, and vLLM does not
+        drop it on a weight update). After a failure vLLM has already ended the update on the worker that
+        reported it, so its finish is expected to fail there; the version is then set on its own."""
+        if ok:
+            self.client.finish_weight_update(version)
+        else:
+            _quietly(self.client.finish_weight_update, None)
+            setter = getattr(self.client, "update_weight_version", None)
+            if version is not None and setter is not None:
+                setter(version)
+        reset = getattr(self.client, "reset_prefix_cache", None)
+        if reset is not None and changed:
+            reset()
+
     def _start_update(self) -> None:
-        """The engine's start_weight_update. An update left open by a trainer that died before finishing it
-        is finished first (vLLM refuses to start one while another is active)."""
+        """The engine's start_weight_update. An update left open (a trainer that died before finishing it, a
+        failure vLLM ended on some workers only) is finished first: vLLM refuses to start one while another
+        is active."""
         try:
             self.client.start_weight_update()
-        except Exception as e:  # noqa: BLE001 - vLLM's RuntimeError, or an HTTP 500 carrying it
-            if "already active" not in str(e) and "500" not in str(e):
-                raise
-            self.client.finish_weight_update(None)
+        except Exception:  # noqa: BLE001 - vLLM's RuntimeError, or an HTTP 500 carrying it
+            _quietly(self.client.finish_weight_update, None)
             self.client.start_weight_update()
 
     def _send(self, tensors: Mapping[str, torch.Tensor]) -> dict:
@@ -186,6 +210,15 @@ def _own_error(src, tensors: Mapping[str, torch.Tensor], rank: int) -> str | Non
     held = {src.manifest.tensors[t].name for t, box in src.held(rank) if box.numel}
     missing = sorted(held - set(named))
     return f"the trainer does not hold {missing[0]!r}" if missing else None
+
+
+def _quietly(fn, *args) -> None:
+    """A control-plane call whose failure is expected and says nothing new (a finish where vLLM already ended
+    the update)."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:

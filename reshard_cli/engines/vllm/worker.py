@@ -29,12 +29,13 @@ import time
 import torch.distributed as dist
 
 from reshard_cli.engines.vllm import compat, cpu_repairs, full
-from reshard_cli.engines.vllm.handshake import digest, handshake, layouts
+from reshard_cli.engines.vllm.handshake import digest, handshake, layouts, stage_mb
 from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
 from reshard_cli.errors import ConfigError, ReshardError
 from reshard_cli.transfer.comm import refit_group
 from reshard_cli.transfer.live import Refit, RefitFailed
+from reshard_cli.transfer.watchdog import GroupBroken
 
 
 class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
@@ -45,6 +46,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
         self.shutdown()
         worker = dist.get_rank() if dist.is_initialized() else 0
+        self.role = f"vLLM worker {worker}"
         self.reporter = _reports_failures(self.parallel_config, worker)
         try:
             self._init(init_info, worker)
@@ -63,15 +65,15 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         except ReshardError as e:
             raise ValueError(f"reshard: vLLM worker {worker}: {e}") from None
         try:
-            handshake(group, f"vLLM worker {worker}", digest(dst), error)
+            handshake(group, self.role, digest(dst), error)
         except ReshardError as e:
             raise ValueError(f"reshard: {e}") from None
         self.group, self.src, self.dst, self.path = group, src, dst, init_info.path
         self.refit = None
         if self.path == "reshard":
             self.refit = Refit(role="dst", src=src, dst=dst, mode="reshard", bucket_mb=init_info.bucket_mb,
-                               group=group, device=self.device, stage_mb=init_info.stage_mb,
-                               who=f"vLLM worker {worker}")
+                               group=group, device=self.device, stage_mb=stage_mb(init_info.stage_mb, dst),
+                               who=self.role)
         self.last_stats = None
         self.updated = False
 
@@ -83,6 +85,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             compat.check_version()
             src, dst = layouts(init_info.src, init_info.dst, init_info.trainer_size)
             check_deployment(dst, self.parallel_config, worker)
+            stage_mb(init_info.stage_mb, dst)
             self.refit_rank = dst.ranks[worker]
             if init_info.path == "reshard":
                 self.target = EngineTarget(self.model, dst, self.refit_rank, self.model_config)
@@ -114,8 +117,9 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         except BaseException as e:  # noqa: BLE001 - this worker alone (the full path, a bug): the group is lost
             if self.target is not None:
                 self.target.abort()
-            stats["error"] = (f"vLLM worker {self.refit_rank}: {type(e).__name__}: {e}; the open group keeps its "
-                              f"previous weights")
+            what = str(e) if isinstance(e, GroupBroken) else \
+                f"refit rank {self.refit_rank} ({self.role}): {type(e).__name__}: {e}"
+            stats["error"] = f"{what}; the open group keeps its previous weights"
             broken = True
         stats["seconds"] = time.perf_counter() - t0
         self.last_stats = stats

@@ -140,8 +140,9 @@ def _entry(rank, trainer, engine, args, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def _four(trainer, engine, *args) -> dict:
-    """Ranks 0-1 run `trainer(rank, ports, *args)`, ranks 2-3 `engine(rank, ports, *args)`; every rank's result."""
+def _four(trainer, engine, *args, dead=()) -> dict:
+    """Ranks 0-1 run `trainer(rank, ports, *args)`, ranks 2-3 `engine(rank, ports, *args)`; every rank's result
+    (but the `dead` ranks', which a test kills)."""
     import torch.multiprocessing as mp
 
     ports = {"trainer": free_port(), "engine": free_port(), "refit": free_port(), "refit2": free_port(),
@@ -153,7 +154,7 @@ def _four(trainer, engine, *args) -> dict:
         p.start()
     results, errors = {}, {}
     try:
-        for _ in procs:
+        for _ in range(len(procs) - len(dead)):
             rank, status, out = queue.get(timeout=600)
             (results if status == "ok" else errors)[rank] = out
     finally:

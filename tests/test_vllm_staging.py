@@ -27,8 +27,11 @@ SCENARIOS = {
     # faults that break the refit group: named by the watchdog, then every side joins a new group
     "broken": [(0, None), (1, "worker-raises-mid-transfer-second-group"), (2, "trainer-stalls-third-group"),
                (3, None)],
+    # a process killed (SIGKILL) in the middle of a refit: the survivors name it, nobody refits again
+    "trainer-killed": [(0, None), (1, "trainer-killed-third-group")],
+    "worker-killed": [(0, None), (1, "worker-killed-third-group")],
 }
-TIMEOUT = {"agreed": 120, "broken": 12}  # the group's timeout; a peer silent this long (at most 30 s) is named
+TIMEOUT = {"agreed": 120, "broken": 12, "trainer-killed": 60, "worker-killed": 60}  # the group's timeout; a peer silent this long (at most 30 s) is named
 
 
 class _Client:
@@ -83,6 +86,8 @@ def _trainer(rank, ports, model_dir, dst_yaml, stage_mb, scenario):
     engine = init()
     out = []
     for seed, fault in SCENARIOS[scenario]:
+        if engine.group is None:  # the last update gave the group up: a new one
+            engine = init()
         current.update({n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(man, seed).items()})
         undo = _inject(engine.refit, None, fault, f"trainer {rank}")
         t0 = time.monotonic()
@@ -92,10 +97,9 @@ def _trainer(rank, ports, model_dir, dst_yaml, stage_mb, scenario):
         except RuntimeError as e:
             out.append(("error", str(e), round(time.monotonic() - t0, 1)))
         undo()
-        if engine.group is None:  # the group was given up: a new one
-            engine = init()
     out.append(client.versions)
-    dist.destroy_process_group()
+    if scenario != "trainer-killed":  # its peer is gone
+        dist.destroy_process_group()
     return out
 
 
@@ -129,6 +133,8 @@ def _engine(rank, ports, model_dir, dst_yaml, stage_mb, scenario):
         held: dict = {}  # the seed each group holds now (99 until a group is committed)
         out = []
         for seed, fault in SCENARIOS[scenario]:
+            if getattr(engine, "group", None) is None:  # the last update gave the group up: a new one
+                init()
             oracles.setdefault(seed, _probe(_fresh(vc, man, seed)))
             undo = _inject(engine.refit, engine.target, fault, f"vLLM worker {rank - 2}")
             error = None
@@ -157,8 +163,6 @@ def _engine(rank, ports, model_dir, dst_yaml, stage_mb, scenario):
             out.append({"error": error, "stats_error": stats["error"], "committed": committed,
                         "groups": len(groups), "peak": stats.get("peak_staged_bytes"), "seconds": seconds,
                         "wrong": sorted(wrong), "held": sorted(set(held.values()))})
-            if getattr(engine, "group", None) is None:  # the group was given up: a new one
-                init()
     return out
 
 
@@ -178,7 +182,8 @@ def _inject(refit, target, fault, me):
 
     mine = {"trainer-before-first-byte": "trainer 1", "worker-corrupt-before-commit": "vLLM worker 0",
             "worker-oom-third-group": "vLLM worker 1", "worker-raises-mid-transfer-second-group": "vLLM worker 0",
-            "trainer-stalls-third-group": "trainer 1"}.get(fault)
+            "trainer-stalls-third-group": "trainer 1", "trainer-killed-third-group": "trainer 1",
+            "worker-killed-third-group": "vLLM worker 1"}.get(fault)
     if mine != me:
         return lambda: None
     if fault == "trainer-before-first-byte":
@@ -202,6 +207,8 @@ def _inject(refit, target, fault, me):
         index = refit.parts.index(part)
         if fault == "worker-raises-mid-transfer-second-group" and index == 1:
             raise RuntimeError("simulated: the device was lost mid-transfer")
+        if fault.endswith("-killed-third-group") and index == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault == "trainer-stalls-third-group" and index == 2:  # stopped until the others gave up on it
             subprocess.Popen(["sh", "-c", f"sleep {TIMEOUT['broken'] // 2 + 3}; kill -CONT {os.getpid()}"])
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -294,3 +301,30 @@ def test_a_failed_or_stalled_rank_is_named_and_the_next_refit_lands(tmp_path):
         assert "refit rank 2 (vLLM worker 0): the transfer failed" in raised[1], raised
         assert "committed 1 of" in raised[1], raised
         assert "refit rank 1 (trainer 1) stopped answering" in stalled[1], stalled
+
+
+@pytest.mark.parametrize("scenario", ["trainer-killed", "worker-killed"])
+def test_a_killed_rank_is_named_by_every_survivor(tmp_path, scenario):
+    """A trainer rank or a vLLM worker SIGKILLed before the third group's transfer: every surviving rank names
+    it within seconds (its heartbeat stopped; the transport's "connection closed" is not what they say), not
+    at the group's 60 s timeout, and every surviving worker keeps exactly the two groups committed before."""
+    model_dir = _model_dir(tmp_path, CONFIG)
+    dst = tmp_path / "vllm.yaml"
+    dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nmesh: {{tp: 2}}\n")
+    budget, _largest = _budget(dst)
+    dead = 1 if scenario == "trainer-killed" else 3
+    results = _four(_trainer, _engine, str(model_dir), str(dst), budget / (1 << 20), scenario, dead=(dead,))
+    who = "refit rank 1 (trainer 1)" if dead == 1 else "refit rank 3 (vLLM worker 1)"
+    print(f"\n{scenario}: (who, outcome, seconds until the error)")
+    for rank in sorted(results):
+        print(rank, results[rank])
+    for rank in sorted(set(results) & {2, 3}):
+        ok, killed = results[rank]
+        assert ok["wrong"] == [] and killed["wrong"] == [], (ok, killed)
+        assert f"{who} stopped answering: no heartbeat" in killed["stats_error"], killed
+        assert killed["committed"] == 2 and killed["held"] == [0, 1], killed
+    for rank in sorted(set(results) & {0, 1}):
+        ok, killed, _versions = results[rank]
+        assert ok[0] == "ok" and killed[0] == "error", (ok, killed)
+        assert f"{who} stopped answering: no heartbeat" in killed[1], killed
+        assert "committed 2 of" in killed[1], killed

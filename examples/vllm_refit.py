@@ -144,14 +144,15 @@ def src_layout(model_dir: str) -> str:
     return text
 
 
-def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path: str):
+def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path: str, stage_mb=None):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from reshard_cli.engines import vllm as vb
 
     vb.register()
     info = vb.ReshardTrainerInitInfo(
-        host="127.0.0.1", port=ports[path], rank=trainer.rank, path=path,
+        host="127.0.0.1", port=ports[path if stage_mb is None else "bad"], rank=trainer.rank, path=path,
+        stage_mb=stage_mb,
         src=src_layout(model_dir),
         dst=f"model: {os.path.join(model_dir, 'config.json')}\nformat: vllm\nmesh: {{tp: {tp}}}\n")
     return WeightTransferTrainerFactory.trainer_init(info, client=client,
@@ -167,6 +168,10 @@ def trainer_rank1(model_dir: str, tp: int, ports: dict, steps: int, baseline_ite
         trainer.step(step)
         engine.send_weights()
         trainer.save(None)
+    try:  # the failed init rank 0 makes, on this side too
+        engines(trainer, None, model_dir, tp, ports, "reshard", stage_mb=-1)
+    except Exception:  # noqa: BLE001
+        pass
     full = engines(trainer, None, model_dir, tp, ports, "full")
     for _ in range(baseline_iters):
         full.send_weights()
@@ -232,7 +237,7 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> 
     from reshard_cli.engines.vllm.clients import LLMClient
 
     model_dir = make_model(kind, root)
-    ports = {"trainer": free_port(), "reshard": free_port(), "full": free_port()}
+    ports = {"trainer": free_port(), "reshard": free_port(), "full": free_port(), "bad": free_port()}
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
@@ -267,6 +272,14 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> 
               f"{row['engine_repacked_bytes'] / 1e6:.2f} MB after landing; tokens/logprobs identical to vLLM's "
               f"own loader: {row['identical']}" + ("" if row["identical"] else f" ({row['first_difference']})"),
               flush=True)
+    # a failed init (a bad option, refused on every side) must not keep the engine from refitting again: vLLM
+    # 0.32 would answer the next call with the failed one's queued replies if every worker raised
+    try:
+        engines(trainer, client, model_dir, tp, ports, "reshard", stage_mb=-1)
+        refused = None
+    except Exception as e:  # noqa: BLE001
+        refused = str(e)
+    print(f"[{kind} tp{tp}] an init with stage_mb -1: {refused}", flush=True)
     full = engines(trainer, client, model_dir, tp, ports, "full")
     base = [summarize(full.send_weights()) for _ in range(baseline_iters)]
     after_full = generate(llm)
@@ -284,7 +297,7 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> 
     rank1.join(timeout=120)
     del llm
     return {"model": kind, "tp": tp, "first_refit_seconds": first["refit_seconds"], "steps": out,
-            "baseline": baseline}
+            "baseline": baseline, "refused_init": refused}
 
 
 def main() -> int:

@@ -17,8 +17,9 @@ enforces it):
     cli.py     the thin Typer commands; report.py the plan text and the piece list
 
 The public entry points are importable from here: `load_pair`, `load_layout`, `load_topology`, `Plan` (in mode
-auto, `with_auto_routes(plan)` gives it the cost model's route per tensor class), `Refit`, `check_output`,
-`open_source`. Those that need torch are imported on first use, so planning stays fast and torch-free.
+auto, `with_auto_routes(plan)` gives it the cost model's route per tensor class), `Refit` (with `RefitFailed`
+and `Stage`, for refits in agreed groups), `check_output`, `open_source`. Those that need torch are imported
+on first use, so planning stays fast and torch-free.
 """
 
 __version__ = "0.1.0"
@@ -31,6 +32,8 @@ _LAZY = {
     "with_auto_routes": "reshard_cli.plan.cost",
     "TransferOptions": "reshard_cli.plan.schedule",
     "Refit": "reshard_cli.transfer.live",
+    "RefitFailed": "reshard_cli.transfer.live",
+    "Stage": "reshard_cli.transfer.live",
     "check_output": "reshard_cli.io.check",
     "open_source": "reshard_cli.io.sources",
 }

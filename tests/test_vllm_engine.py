@@ -34,6 +34,8 @@ def test_refit_into_a_running_engine_matches_vllms_own_loader(tmp_path, model, t
         assert s["direct_bytes_fraction"] == 1.0
     # the weights really moved the engine: some greedy continuation changed after training
     assert any(any(s["tokens_changed_since_start"]) for s in case["steps"]), case["steps"]
+    # a refused init, then the baseline's init and updates on the same engine: it refits again without a restart
+    assert "stage_mb: must be >= 0" in case["refused_init"], case["refused_init"]
     base = case["baseline"]
     assert base["identical"]
     last = case["steps"][-1]

@@ -118,9 +118,9 @@ def test_push_a_checkpoint_into_a_running_engine(served):
     assert f"staged in {doc['staging_groups']} group(s)" in p.stdout, p.stdout
     after_b = _complete(served)
     assert after_b != from_vllm, "checkpoint B did not change what the engine serves"
-    p = _run(served, "--source", f"safetensors:{served['a']}")
+    p = _run(served, "--source", f"safetensors:{served['a']}", "--stage-mb", str(1.2 * layer / (1 << 20)))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert _complete(served) == from_vllm  # bit for bit what vLLM's own loader made of A
+    assert _complete(served) == from_vllm  # bit for bit what vLLM's own loader made of A, staged in groups
 
 
 def test_wrong_url_is_one_line(served):

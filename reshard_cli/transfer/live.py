@@ -321,14 +321,15 @@ class Refit:
             raise RefitFailed(f"{e}; {self._progress(i)}", self.groups[:i], self.groups, broken=True) from None
 
     def _group_steps(self, i: int, part: _Part, tensors, verify_checksums: bool, opened: Stage | None) -> bool:
-        error, shards = None, None
+        error, shards, code = None, None, 1
         try:
             if opened is not None:
                 tensors = opened.open(part.group, part.plan.dst)
             shards = self._shards_of(part, tensors)
         except Exception as e:  # noqa: BLE001 - a wrong buffer, or an engine's own failure (out of memory)
             error = str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}"
-        self._agree(i, part, error, opened, code=2)
+            code = 2 if isinstance(e, ConfigError) else 1
+        self._agree(i, part, error, opened, code=code)
         self._install(part, shards, tensors)
         error, bad = None, []
         try:

@@ -84,10 +84,12 @@ class EngineTarget(Stage):
             mod_name = et.name.rpartition(".")[0]
             if mod_name in self.staged:
                 modules[mod_name] = self.staged[mod_name]
+        begun: dict = {}
         copies: dict = {}
-        self.open_group = (modules, copies)
-        for module in modules.values():
+        self.open_group = (begun, copies)  # what an abort must undo, should this fail half-way
+        for mod_name, module in modules.items():
             compat.begin_reload(module)
+            begun[mod_name] = module
             compat.materialize(module)
         params = dict(self.model.named_parameters())
         for et in tensors:

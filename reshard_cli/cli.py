@@ -19,6 +19,7 @@ from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.formats import load_pair
 from reshard_cli.hw import nvml
 from reshard_cli.plan.cost import plan_prediction, with_auto_routes
+from reshard_cli.plan.groups import staging
 from reshard_cli.plan.planner import Plan, no_gc
 from reshard_cli.report import plan_text, write_pieces
 from reshard_cli.transfer import dryrun
@@ -105,6 +106,9 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
         stats["trainer"] = trainer
     if engine is not None:  # the bytes land in the engine's own tensors: what one rank's storage looks like
         stats["engine"] = engine
+    stage = staging(p.dst)
+    if stage is not None:  # what an update stages per worker beside the engine's kernels
+        stats["staging"] = stage
     typer.echo(plan_text(stats))
     cost_text, cost_doc = plan_prediction(p)
     if cost_text:

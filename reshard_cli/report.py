@@ -28,7 +28,7 @@ def plan_text(s: dict) -> str:
         f"{_over(s['max_rank_send_bytes'], s['ideal_rank_send_bytes'])}), recv {fmt_bytes(s['max_rank_recv_bytes'])} "
         f"(ideal {fmt_bytes(s['ideal_rank_recv_bytes'])}, {_over(s['max_rank_recv_bytes'], s['ideal_rank_recv_bytes'])})",
         f"  planned in    {s['plan_seconds'] * 1e3:.0f} ms",
-        *_storage_lines(s.get("trainer"), s.get("engine")),
+        *_storage_lines(s.get("trainer"), s.get("engine"), s.get("staging")),
         "",
         table(["path", "tensors", "bytes", "wire", "in-domain", "pieces"],
               [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),
@@ -51,9 +51,9 @@ def _route_lines(s: dict) -> list[str]:
             f"                {s.get('routes_by', '')}".rstrip()]
 
 
-def _storage_lines(trainer: dict | None, engine: dict | None) -> list[str]:
+def _storage_lines(trainer: dict | None, engine: dict | None, stage: dict | None = None) -> list[str]:
     """Where a framework format keeps the bytes (`formats.summary`): the trainer's storage, read in place, and
-    one engine rank's storage, written in place."""
+    one engine rank's storage, written in place; what an update stages per worker (`plan.groups.staging`)."""
     lines = []
     if trainer:
         t = trainer
@@ -68,6 +68,11 @@ def _storage_lines(trainer: dict | None, engine: dict | None) -> list[str]:
                      f"place: {fmt_bytes(e['direct_bytes'])} of {fmt_bytes(e['checkpoint_bytes'])} "
                      f"({pct(e['direct_bytes'], e['checkpoint_bytes'])}), padding {fmt_bytes(e['padding_bytes'])} "
                      f"untouched")
+    if stage:
+        lines.append(f"  staging       {stage['stage_mb']:g} MiB per worker: {stage['groups']} group(s) of whole layers, "
+                     f"at most {fmt_bytes(stage['peak_bytes'])} in checkpoint format at once, against "
+                     f"{fmt_bytes(stage['whole_bytes'])} for the whole model (largest layer "
+                     f"{fmt_bytes(stage['largest_layer_bytes'])})")
     return lines
 
 

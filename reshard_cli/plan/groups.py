@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 from reshard_cli.layouts.layout import Layout, layer_indices
 
+DEFAULT_STAGE_MB = 1024.0  # what an engine worker stages at once by default: a few layers of the largest models,
+# room beside a full KV cache
+
 
 @dataclass(frozen=True)
 class Group:
@@ -50,6 +53,22 @@ def layer_groups(dst: Layout, budget: int | None) -> list[Group]:
     if current:
         groups.append(_group(units, current, sizes))
     return groups
+
+
+def staging(dst: Layout, stage_mb: float | None = None) -> dict | None:
+    """What a refit into `dst`'s engine stages per worker (None when the layout describes no engine): the
+    budget (`stage_mb`, else the layout's `engine: {stage_mb}`, else DEFAULT_STAGE_MB), the groups, the most
+    one group holds, and what the whole model would hold at once."""
+    if not dst.engine:
+        return None
+    for value in (stage_mb, dst.engine.get("stage_mb"), DEFAULT_STAGE_MB):
+        if value is not None:
+            break
+    groups = layer_groups(dst, int(value * (1 << 20)))
+    units = layer_groups(dst, 1)
+    return {"stage_mb": float(value), "groups": len(groups), "peak_bytes": max((g.nbytes for g in groups), default=0),
+            "largest_layer_bytes": max((u.nbytes for u in units), default=0),
+            "whole_bytes": sum(u.nbytes for u in units)}
 
 
 def _group(units: dict, keys: list, sizes: dict) -> Group:

@@ -10,6 +10,7 @@ from typing import Mapping
 
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import load_layout, load_pair
+from reshard_cli.plan.groups import DEFAULT_STAGE_MB
 from reshard_cli.transfer.agree import Failure, one_line
 
 
@@ -50,9 +51,6 @@ def _first_difference(m0: list, m: list) -> str:
     if missing:
         return f"{missing[0]!r} is in one model only"
     return next(f"{n}: {list(a[n][0])} {a[n][1]} vs {list(b[n][0])} {b[n][1]}" for n in a if a[n] != b[n])
-
-
-DEFAULT_STAGE_MB = 1024.0  # a few layers of the largest models per worker: room beside a full KV cache
 
 
 def stage_mb(given: float | None, dst) -> float:

@@ -25,7 +25,7 @@ class ReshardInitInfo(_api.WeightTransferInitInfo):
     bucket_mb: float = 64.0
     path: str = "reshard"  # or "full": the baseline (full tensors to every worker, then load_weights)
     stage_mb: float | None = None  # checkpoint-format MiB a worker stages at once (whole layers; 0: the whole
-    # model); None: the layout's `engine: {stage_mb}`, else handshake.DEFAULT_STAGE_MB
+    # model); None: the layout's `engine: {stage_mb}`, else plan.groups.DEFAULT_STAGE_MB
 
 
 @dataclass

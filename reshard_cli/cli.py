@@ -316,6 +316,10 @@ def main() -> None:
             sys.exit(e.exit_code)
         if not e.quiet:
             typer.echo(f"reshard: error: {e}", err=True)
+        if getattr(e, "group_broken", False):  # a helper thread may still wait on the dead group: not joined
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
         if e.exit_code == 2 and "RANK" in os.environ and dist_initialized():
             from reshard_cli.transfer.launcher import leave_agreed  # torch: only torchrun workers get here
 

@@ -74,6 +74,21 @@ def test_dead_rank_fails_every_rank(tmp_path):
     assert not (out / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("stalled", [1, 0])
+def test_stalled_rank_is_named(tmp_path, stalled):
+    """A worker stopped (SIGSTOP) before its first byte: the job's watchdog names it in one line (half of
+    --timeout without a heartbeat) and the job ends, rather than a peer timing out and naming itself. Rank 0
+    stalled too: another rank says it."""
+    out = tmp_path / "out"
+    r = reshard("run", "--src", TRAIN, "--dst", INFER, "--quiet", "--no-link-test", "--timeout", "20",
+                "--out", out, faults=f"stall:{stalled}:40")
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"rank {stalled} stopped answering: no heartbeat for" in lines[0], lines
+    assert not (out / "manifest.json").exists()
+
+
 def test_checkpoint_source_and_bad_checkpoint(tmp_path):
     """A safetensors checkpoint in, on a small model; a wrong checkpoint stops before any transfer."""
     src, dst = write_pair(tmp_path, "tp2_to_tp3")

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from datetime import timedelta
 from typing import Callable
 
@@ -25,14 +24,43 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, RuntimeFailure
-from reshard_cli.transfer.watchdog import POLL, GroupBroken, Watchdog
+from reshard_cli.transfer.watchdog import Fault, GroupBroken, Guard, Watchdog
 
 STALL = 30.0  # seconds without a heartbeat after which a refit group's peer is named as stalled (at most; half
 # the group's timeout when that is shorter, so the watchdog speaks before the transport times out)
 
 
-class WorldComm:
-    """The default process group."""
+class _Comm:
+    """What both comms share: an optional `guard` (`transfer.watchdog.Guard`) whose watchdog ends every wait
+    on the group's traffic as soon as any rank reports a fault or stops answering, with a line naming that
+    rank (`GroupBroken`), instead of at the timeout."""
+
+    guard: Guard | None = None
+
+    def run(self, fn, *args):
+        """A blocking call on the group (a wait, a collective), guarded when the group has a watchdog."""
+        return fn(*args) if self.guard is None else self.guard.run(fn, *args)
+
+    def _work(self, op, *args) -> "_Work":
+        return _Work(self, op(*args) if self.guard is None else self.guard.post(op, *args))
+
+    def wait(self, work) -> None:
+        self.run(work.wait)
+
+    def fail(self, line: str, ranks: tuple = ()):
+        """Give the group up with `line` (told to every other rank first, with a watchdog); raises GroupBroken."""
+        if self.guard is None:
+            raise GroupBroken(line, ranks)
+        self.guard.fail(Fault(line, tuple(ranks)))
+
+    def name_ranks(self, roles: list[str]) -> None:
+        """What each rank is ("trainer 0", "vLLM worker 1"), for the watchdog's lines."""
+        if self.guard is not None:
+            self.guard.watchdog.roles = list(roles)
+
+
+class WorldComm(_Comm):
+    """The default process group (guarded while `reshard run`'s launcher holds the job: `watch`)."""
 
     @property
     def rank(self) -> int:
@@ -43,41 +71,42 @@ class WorldComm:
         return dist.get_world_size()
 
     def isend(self, t: torch.Tensor, peer: int):
-        return dist.isend(t, peer)
+        return self._work(dist.isend, t, peer)
 
     def irecv(self, t: torch.Tensor, peer: int):
-        return dist.irecv(t, peer)
+        return self._work(dist.irecv, t, peer)
 
     def new_group(self, ranks: list[int]):
         return dist.new_group(ranks)
 
     def broadcast(self, t: torch.Tensor, root: int, group) -> None:
-        dist.broadcast(t, src=root, group=group)
+        self.run(partial(dist.broadcast, t, src=root, group=group))
 
     def barrier(self) -> None:
-        dist.barrier()
+        self.run(dist.barrier)
 
     def all_gather_object(self, obj) -> list:
         out: list = [None] * self.size
-        dist.all_gather_object(out, obj)
+        self.run(dist.all_gather_object, out, obj)
         return out
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.run(partial(dist.all_reduce, t, op=dist.ReduceOp.MAX))
+
+    def watch(self, guard: Guard | None) -> None:
+        """Guard the default group's waits with `guard` (None: stop)."""
+        if self.guard is not None and guard is None:
+            self.guard.close()
+        self.guard = guard
 
 
-class GroupComm:
-    """A stand-alone ProcessGroup (not registered with torch.distributed), for example from `refit_group`.
+class GroupComm(_Comm):
+    """A stand-alone ProcessGroup (not registered with torch.distributed), for example from `refit_group`."""
 
-    With a `watchdog` (`transfer.watchdog`), every wait on the group's traffic ends as soon as any rank reports
-    a fault or stops answering, with a line naming that rank (`GroupBroken`), instead of at the timeout."""
-
-    def __init__(self, pg, rank: int, size: int, device: torch.device | str = "cpu", watchdog: Watchdog | None = None):
+    def __init__(self, pg, rank: int, size: int, device: torch.device | str = "cpu", guard: Guard | None = None):
         self.pg, self._rank, self._size = pg, rank, size
         self.device = torch.device(device)  # where the group's own small tensors live (cuda for NCCL)
-        self.watchdog = watchdog
-        self.broken: GroupBroken | None = None
-        self._waiter: ThreadPoolExecutor | None = None
+        self.guard = guard
 
     @property
     def rank(self) -> int:
@@ -88,67 +117,15 @@ class GroupComm:
         return self._size
 
     def isend(self, t: torch.Tensor, peer: int):
-        return _Work(self, self._post(self.pg.send, [t], peer, 0))
+        return self._work(self.pg.send, [t], peer, 0)
 
     def irecv(self, t: torch.Tensor, peer: int):
-        return _Work(self, self._post(self.pg.recv, [t], peer, 0))
-
-    def _post(self, op, *args):
-        """Start a message; a transport that refuses it (a peer's closed connection) is explained like a
-        failed wait."""
-        if self.watchdog is None:
-            return op(*args)
-        if self.broken is not None:
-            raise self.broken
-        try:
-            return op(*args)
-        except Exception as e:  # noqa: BLE001
-            self.fail(self.watchdog.cause(e))
-
-    def wait(self, work) -> None:
-        """`work.wait()`, ended early (GroupBroken) by a fault the watchdog sees."""
-        if self.watchdog is None:
-            work.wait()
-            return
-        if self.broken is not None:
-            raise self.broken
-        if self._waiter is None:
-            self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"reshard-wait-{self._rank}")
-        if self.device.type == "cuda":
-            self._waiter.submit(torch.cuda.set_device, self.device).result()
-        done = self._waiter.submit(work.wait)
-        while True:
-            try:
-                done.result(timeout=POLL)
-                return
-            except FutureTimeout:
-                line = self.watchdog.check()
-                if line:
-                    self.fail(line)
-            except GroupBroken:
-                raise
-            except Exception as e:  # noqa: BLE001 - the transport's own error: whose fault was it?
-                self.fail(self.watchdog.cause(e))
-
-    def fail(self, line: str, *, report: bool = True):
-        """Give the group up with `line` (told to every other rank first); raises GroupBroken."""
-        if self.broken is None:
-            self.broken = GroupBroken(line)
-            if report and self.watchdog is not None:
-                self.watchdog.report(line)
-            if self._waiter is not None:
-                self._waiter.shutdown(wait=False)  # its thread may stay blocked in the transport until the timeout
-        raise self.broken
-
-    def name_ranks(self, roles: list[str]) -> None:
-        """What each rank is ("trainer 0", "vLLM worker 1"), for the watchdog's lines."""
-        if self.watchdog is not None:
-            self.watchdog.roles = list(roles)
+        return self._work(self.pg.recv, [t], peer, 0)
 
     def close(self) -> None:
         """Stop the heartbeat (the group is not used again)."""
-        if self.watchdog is not None:
-            self.watchdog.close()
+        if self.guard is not None:
+            self.guard.close()
 
     def new_group(self, ranks: list[int]):
         raise ConfigError("the broadcast path needs the job's default process group; a refit over its own group "
@@ -184,9 +161,9 @@ class GroupComm:
 
 
 class _Work:
-    """A message of a GroupComm, whose wait the group's watchdog can end."""
+    """A message of a comm, whose wait the comm's watchdog can end."""
 
-    def __init__(self, comm: GroupComm, work):
+    def __init__(self, comm: _Comm, work):
         self.comm, self.work = comm, work
 
     def wait(self) -> None:
@@ -221,7 +198,8 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
         pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout))
-    comm = GroupComm(pg, rank, size, device if device.type == "cuda" else "cpu", watchdog=watchdog)
+    comm = GroupComm(pg, rank, size, device if device.type == "cuda" else "cpu",
+                     guard=Guard(watchdog, device if device.type == "cuda" else None))
     comm._store = store  # keep the store (and, on rank 0, its server) alive with the group
     watchdog.start()
     return comm

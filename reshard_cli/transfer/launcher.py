@@ -16,6 +16,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -24,6 +25,8 @@ import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.transfer.agree import gather_failures, one_line
+from reshard_cli.transfer.comm import STALL, WORLD
+from reshard_cli.transfer.watchdog import GroupBroken, Guard, Watchdog
 
 T = TypeVar("T")
 
@@ -129,8 +132,11 @@ def process_group(backend: str, timeout: float) -> Iterator[torch.device]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    WORLD.watch(_guard(device, timeout))
     try:
         yield device
+    except GroupBroken as e:  # a rank failed, died or stalled: its line, from one rank; gloo is not torn down
+        raise _named(e) from None  # (a helper thread may still be in it); the process leaves with os._exit
     except ReshardError as e:
         if e.exit_code != 2:
             dist.destroy_process_group()
@@ -140,6 +146,33 @@ def process_group(backend: str, timeout: float) -> Iterator[torch.device]:
         raise
     else:
         dist.destroy_process_group()
+    finally:
+        WORLD.watch(None)
+
+
+def _guard(device: torch.device, timeout: float) -> Guard:
+    """The job's watchdog (`transfer.watchdog`) over torchrun's own store: heartbeats, fault lines, and the
+    default group's waits ended by them. Every rank's heartbeat key exists once the barrier is passed."""
+    rank, world = rank_and_world()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    watchdog = Watchdog(store, rank, world, stall=min(timeout / 2, STALL), label="rank")
+    watchdog.store_client = store  # kept alive with the watchdog
+    dist.barrier()
+    watchdog.start()
+    return Guard(watchdog, device if device.type == "cuda" else None)
+
+
+def _named(e: GroupBroken) -> ReshardError:
+    """One rank says it: the lowest rank the line does not name (it may be rank 0 that stalled)."""
+    alive = [r for r in range(dist.get_world_size()) if r not in e.ranks]
+    printer = alive[0] if alive else 0
+    if dist.get_rank() == printer:
+        out = RankFailure(str(e), 1)
+    else:
+        out = Reported(str(e), 1)
+    out.group_broken = True
+    return out
 
 
 _PRINTED = "reshard/bad-input-printed"  # set by the worker that printed an agreed bad-input error
@@ -176,9 +209,7 @@ def all_ok(stage: str, error: BaseException | None) -> None:
 
 def _all_gather(obj) -> list:
     """Every rank's `obj` (the default group), in rank order."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return WORLD.all_gather_object(obj)
 
 
 @contextmanager
@@ -187,14 +218,11 @@ def collected(stage: str) -> Iterator[None]:
     err: BaseException | None = None
     try:
         yield
-    except ReshardError as e:
-        err = e
     except Exception as e:  # noqa: BLE001 - reported collectively
         if getattr(e, "group_broken", False):  # a peer failed, died or stalled, and the line names it: no
-            # collective could complete with it, so rank 0 says it now and torchrun stops the others
-            line = str(e).removeprefix("reshard: ")
-            raise RankFailure(line, 1) if dist.get_rank() == 0 else Reported(line, 1) from None
-        err = RuntimeFailure(f"{e.__class__.__name__}: {e}")
+            # collective could complete with it, so one rank says it now and torchrun stops the others
+            raise GroupBroken(str(e).removeprefix("reshard: "), getattr(e, "ranks", ())) from None
+        err = e if isinstance(e, ReshardError) else RuntimeFailure(f"{e.__class__.__name__}: {e}")
     all_ok(stage, err)
 
 
@@ -202,10 +230,10 @@ def sync(device: torch.device) -> None:
     """Barrier after this rank's device work is done (timings between two syncs are the slowest rank's)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    dist.barrier()
+    WORLD.barrier()
 
 
 def allreduce_int(n: int, op=dist.ReduceOp.MAX) -> int:
     t = torch.tensor([n], dtype=torch.int64)
-    dist.all_reduce(t, op=op)
+    WORLD.run(partial(dist.all_reduce, t, op=op))
     return int(t.item())

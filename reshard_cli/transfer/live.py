@@ -338,8 +338,7 @@ class Refit:
             raise
         except Exception as e:  # noqa: BLE001
             error = f"the transfer failed ({type(e).__name__}: {e})"
-            if hasattr(self.comm, "fail"):  # peers may be blocked on this rank's bytes: end their waits now
-                self.comm.fail(f"{self._me()}: {error}")
+            self.comm.fail(f"{self._me()}: {error}", (self.rank,))  # peers may wait on this rank's bytes
         if verify_checksums:
             bad = self._mismatched(part)
             if bad and error is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ from reshard_cli.plan.cost import with_auto_routes
 from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.transfer import launcher
+from reshard_cli.transfer.comm import WORLD
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.linktest import LinkTest
 from reshard_cli.transfer.shards import LocalShard, read_source_shards, sentinel_buffers
@@ -159,7 +161,7 @@ def slowest(measures: list[Measure]) -> list[list[float]]:
     if not measures:
         return []
     times = torch.tensor([m.times for m in measures], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    WORLD.run(partial(dist.all_reduce, times, op=dist.ReduceOp.MAX))
     return times.tolist()
 
 

@@ -46,7 +46,9 @@ from reshard_cli.transfer import launcher, pipeline, verify
 from reshard_cli.transfer.dryrun import world_size
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.launcher import JobOptions, Reported
+from reshard_cli.transfer.comm import WORLD
 from reshard_cli.transfer.results import RunReport
+from reshard_cli.transfer.watchdog import GroupBroken
 
 
 @dataclass(kw_only=True)
@@ -205,6 +207,8 @@ def _move(engine: Engine, plan: Plan, iters: int, device: torch.device) -> dict[
                 if path in plan.paths]
     try:
         pipeline.rounds(measures, max(iters, 1), device, rotate=False, drop_first=False)
+    except GroupBroken:  # the job's watchdog named who failed, died or stalled
+        raise
     except Exception as e:  # a peer died or the network failed: name this rank and what it saw
         raise RuntimeFailure(f"rank {engine.rank}: transfer failed: {_short(e)}") from e
     return {m.name: pipeline.median(ts[1:] if len(ts) > 1 else ts)
@@ -258,8 +262,7 @@ def _verify(plan: Plan, rank: int, src_shards: dict, dst_shards: dict, source, d
         wrong = expected.wrong_by_tensor({t: sh.data for t, sh in dst_shards.items()})
     mine = RankCheck(rank, mismatched, wrong, checksums.combine(actual.values()), len(actual),
                      sum(sh.data.numel() * sh.data.element_size() for sh in dst_shards.values()))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine if rank in plan.dst.ranks else None)
+    everyone = WORLD.all_gather_object(mine if rank in plan.dst.ranks else None)
     ranks = [e for e in everyone if e is not None]
     return Verified(all(e.ok for e in ranks), ranks, actual, exact)
 
@@ -279,8 +282,7 @@ def _write_output(out: Path, plan: Plan, rank: int, world: int, dst_shards: dict
                               "local_shape": list(sh.box.sizes), "dtype": man[t].dtype,
                               "checksum": checksums.fmt(result.dst_checksums[t])}
                 for t, sh in dst_shards.items()}}
-    entries: list = [None] * world
-    dist.all_gather_object(entries, entry)
+    entries = WORLD.all_gather_object(entry)
     if rank == 0 and result.ok:
         sinks.write_manifest(out, sinks.build_manifest(plan.src, plan.dst, [e for e in entries if e]))
 

@@ -17,11 +17,18 @@ peers waiting for bytes that will not come. So a refit group carries a watchdog 
 
 After a `GroupBroken` the group is not used again (its helper thread may stay blocked in the transport until
 the group's timeout, then ends); the next refit joins a new group.
+
+The same watchdog runs over a torchrun job's own store in `reshard run` (the launcher's `process_group`), where
+the waits are the default group's (`comm.WorldComm`).
 """
 from __future__ import annotations
 
 import threading
 import time
+import queue
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -33,13 +40,27 @@ DEATH_WINDOW = 3.0  # after a transport error: how long a peer's silent heartbea
 
 
 class GroupBroken(RuntimeFailure):
-    """A refit group's peer failed, died or stalled; the group cannot carry another byte."""
+    """A group's peer failed, died or stalled; the group cannot carry another byte. `ranks`: the ranks the line
+    names (who failed, died or stalled)."""
+
+    group_broken = True  # what the launcher looks for: no collective can complete, the line says why
+
+    def __init__(self, message: str, ranks: tuple = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+@dataclass(frozen=True)
+class Fault:
+    line: str
+    ranks: tuple = ()  # the ranks it names
 
 
 class Watchdog:
-    def __init__(self, store, rank: int, size: int, *, interval: float = 1.0, stall: float = 30.0):
+    def __init__(self, store, rank: int, size: int, *, interval: float = 1.0, stall: float = 30.0,
+                 label: str = "refit rank"):
         self.store = dist.PrefixStore("reshard-watch", store)
-        self.rank, self.size, self.interval, self.stall = rank, size, interval, stall
+        self.rank, self.size, self.interval, self.stall, self.label = rank, size, interval, stall, label
         self.roles: list[str] = [""] * size  # what each rank is, once the group knows ("trainer 0")
         now = time.monotonic()
         self._seen = {r: (None, now) for r in range(size) if r != rank}  # rank -> (count, when it last moved)
@@ -59,31 +80,37 @@ class Watchdog:
                 return
 
     def close(self) -> None:
+        """Stop the heartbeat, and wait for its thread: a process that exits while it is inside a store call
+        can abort in C++."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 5)
+        self._thread = None
 
     def who(self, rank: int) -> str:
         role = self.roles[rank] if rank < len(self.roles) else ""
-        return f"refit rank {rank}" + (f" ({role})" if role else "")
+        return f"{self.label} {rank}" + (f" ({role})" if role else "")
 
-    def report(self, line: str) -> None:
+    def report(self, fault: Fault) -> None:
         """Tell every rank of the group this fault (the first one reported is the one every rank names)."""
         try:
             n = self.store.add("faults", 1)
-            self.store.set(f"fault/{n}", line)
+            self.store.set(f"fault/{n}", ",".join(map(str, fault.ranks)) + "|" + fault.line)
         except Exception:  # noqa: BLE001 - no store: the others find out from it being gone
             pass
 
-    def check(self, stall: float | None = None) -> str | None:
-        """The line of the first fault reported, or of the peers silent for `stall` seconds; None if all is well."""
+    def check(self, stall: float | None = None) -> Fault | None:
+        """The first fault reported, or the peers silent for `stall` seconds; None if all is well."""
         try:
             if self.store.add("faults", 0):
                 self.store.wait(["fault/1"], timedelta(seconds=5))
-                return self.store.get("fault/1").decode()
+                ranks, _, line = self.store.get("fault/1").decode().partition("|")
+                return Fault(line, tuple(int(r) for r in ranks.split(",") if r))
             peers = sorted(self._seen)
             counts = self.store.multi_get([f"hb/{r}" for r in peers])
         except Exception:  # noqa: BLE001 - TCPStore's errors differ by version; any means its server is gone
-            return (f"{self.who(0)} stopped answering: the refit group's store, which that rank holds, is gone "
-                    f"(it died or its host is unreachable)")
+            return Fault(f"{self.who(0)} stopped answering: the group's store, which that rank holds, is gone "
+                         f"(it died or its host is unreachable)", (0,))
         now = time.monotonic()
         limit = self.stall if stall is None else stall
         silent, longest = [], 0.0
@@ -98,16 +125,97 @@ class Watchdog:
         if not silent:
             return None
         names = ", ".join(self.who(r) for r in silent[:4]) + (f" and {len(silent) - 4} more" if len(silent) > 4 else "")
-        return f"{names} stopped answering: no heartbeat for {longest:.0f} s (the process died or is stalled)"
+        return Fault(f"{names} stopped answering: no heartbeat for {longest:.0f} s (the process died or is stalled)",
+                     tuple(silent))
 
-    def cause(self, error: BaseException) -> str:
+    def cause(self, error: BaseException) -> Fault:
         """Why a transport operation failed: a reported fault, or the peer that stopped within DEATH_WINDOW
         seconds; else the error itself, as this rank's."""
         deadline = time.monotonic() + DEATH_WINDOW + 2 * self.interval
         while time.monotonic() < deadline:
-            line = self.check(stall=DEATH_WINDOW)
-            if line:
-                return line
+            fault = self.check(stall=DEATH_WINDOW)
+            if fault:
+                return fault
             time.sleep(POLL / 2)
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return f"{self.who(self.rank)}: transport error ({first})"
+        return Fault(f"{self.who(self.rank)}: transport error ({first})", (self.rank,))
+
+
+class Guard:
+    """The waits of one group, ended early by its watchdog: each blocking call runs on a helper thread while
+    the caller polls the watchdog; the first fault raises GroupBroken here, and every later call at once."""
+
+    def __init__(self, watchdog: Watchdog, device=None):
+        self.watchdog = watchdog
+        self.device = device  # a CUDA device: the helper thread works on it too
+        self.broken: GroupBroken | None = None
+        self._calls: queue.SimpleQueue | None = None  # to the helper thread (a daemon: a process may exit while
+        # it is still blocked in the transport of a group given up)
+        self._helper_thread: threading.Thread | None = None
+
+    def _helper(self, calls: queue.SimpleQueue) -> None:
+        if self.device is not None and getattr(self.device, "type", "cpu") == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)
+        while True:
+            item = calls.get()
+            if item is None:
+                return
+            fn, args, done = item
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+
+    def run(self, fn, *args):
+        """`fn(*args)` (a wait, or a blocking collective), ended early (GroupBroken) by a fault."""
+        if self.broken is not None:
+            raise self.broken
+        if self._calls is None:
+            self._calls = queue.SimpleQueue()
+            self._helper_thread = threading.Thread(target=self._helper, args=(self._calls,), daemon=True,
+                                                   name=f"reshard-wait-{self.watchdog.rank}")
+            self._helper_thread.start()
+        done: Future = Future()
+        self._calls.put((fn, args, done))
+        while True:
+            try:
+                return done.result(timeout=POLL)
+            except FutureTimeout:
+                fault = self.watchdog.check()
+                if fault:
+                    self.fail(fault)
+            except GroupBroken:
+                raise
+            except Exception as e:  # noqa: BLE001 - the transport's own error: whose fault was it?
+                self.fail(self.watchdog.cause(e))
+
+    def post(self, op, *args):
+        """Start a message; a transport that refuses it (a peer's closed connection) is explained like a
+        failed wait."""
+        if self.broken is not None:
+            raise self.broken
+        try:
+            return op(*args)
+        except Exception as e:  # noqa: BLE001
+            self.fail(self.watchdog.cause(e))
+
+    def fail(self, fault: Fault, *, report: bool = True):
+        """Give the group up with `fault` (told to every other rank first); raises GroupBroken."""
+        if self.broken is None:
+            self.broken = GroupBroken(fault.line, fault.ranks)
+            if report:
+                self.watchdog.report(fault)
+            if self._calls is not None:
+                self._calls.put(None)  # its thread ends after the call it may still be blocked in
+        raise self.broken
+
+    def close(self) -> None:
+        """Stop the heartbeat and the idle helper thread (one blocked in a group given up is left to its
+        transport's timeout)."""
+        self.watchdog.close()
+        if self._calls is not None and self.broken is None:
+            self._calls.put(None)
+            self._helper_thread.join(timeout=5)
+        self._calls = self._helper_thread = None

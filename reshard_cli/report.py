@@ -69,8 +69,8 @@ def _storage_lines(trainer: dict | None, engine: dict | None, stage: dict | None
                      f"({pct(e['direct_bytes'], e['checkpoint_bytes'])}), padding {fmt_bytes(e['padding_bytes'])} "
                      f"untouched")
     if stage:
-        lines.append(f"  staging       {stage['stage_mb']:g} MiB per worker: {stage['groups']} group(s) of whole layers, "
-                     f"at most {fmt_bytes(stage['peak_bytes'])} in checkpoint format at once, against "
+        lines.append(f"  staging       {stage['stage_mb']:g} MiB per worker: {stage['groups']} group(s) of whole "
+                     f"layers, at most {fmt_bytes(stage['peak_bytes'])} in checkpoint format at once, against "
                      f"{fmt_bytes(stage['whole_bytes'])} for the whole model (largest layer "
                      f"{fmt_bytes(stage['largest_layer_bytes'])})")
     return lines

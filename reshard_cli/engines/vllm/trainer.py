@@ -118,17 +118,22 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             call = Call(self.client.update_weights, {"verify": self.info.verify})
         t0 = time.perf_counter()
         failure: RefitFailed | None = None
+        everyone, mine = [], {"bytes_sent": 0, "checksums_ok": None}
         try:
-            everyone, mine = [], {"bytes_sent": 0, "checksums_ok": None}
             try:
                 mine = self._send(tensors)
-                everyone = self.group.all_gather_object(None)  # the workers' stats, after their update
             except RefitFailed as e:  # the same line on every rank that saw it
                 failure = e
-                if not e.broken:
-                    everyone = self.group.all_gather_object(None)
-            except GroupBroken as e:  # a rank died or stalled outside the groups (the full path, the stats)
+            except GroupBroken as e:  # a rank died or stalled outside the groups (the full path)
                 failure = RefitFailed(str(e), [], [], broken=True)
+            if failure is None or not failure.broken:
+                try:
+                    everyone = self.group.all_gather_object(None)  # the workers' stats, after their update
+                except GroupBroken as e:  # after the update: what it committed stays committed
+                    done = self.refit.groups if failure is None and self.refit is not None else \
+                        (failure.committed if failure is not None else [])
+                    failure = RefitFailed(f"{e} (after the update)", done, self.refit.groups if self.refit else [],
+                                          broken=True)
         finally:
             if self.is_sender:
                 try:
@@ -139,11 +144,13 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         workers = [s for s in everyone if s is not None]
         failed = next((w for w in workers if w["error"]), None)
         version = weight_version
-        if failure is not None:
+        landed = failure is not None and failure.groups and len(failure.committed) == len(failure.groups)
+        if failure is not None and not landed:  # unchanged, or the partial marker
             version = (None if not failure.partial else
                        f"{weight_version or 'update'}+partial-{len(failure.committed)}of{len(failure.groups)}")
         if self.is_sender:
-            self._finish_update(version, failure is None and failed is None, changed=failure is None or failure.partial)
+            changed = failure is None or failure.partial
+            self._finish_update(version, failure is None and failed is None, changed=changed)
         if failure is not None:
             if failure.broken:  # the group is given up: the next refit needs a new trainer_init
                 self.shutdown()

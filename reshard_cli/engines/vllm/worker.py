@@ -67,6 +67,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         try:
             handshake(group, self.role, digest(dst), error)
         except ReshardError as e:
+            group.close()
             raise ValueError(f"reshard: {e}") from None
         self.group, self.src, self.dst, self.path = group, src, dst, init_info.path
         self.refit = None
@@ -124,12 +125,16 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         stats["seconds"] = time.perf_counter() - t0
         self.last_stats = stats
         self.updated = True
+        if not broken:
+            try:
+                self.group.all_gather_object(stats)  # the trainer collects every worker's numbers (or errors)
+            except GroupBroken as e:
+                stats["error"] = f"{e} (after this worker's update{' failed' if stats['error'] else ' landed'})"
+                broken = True
         if broken:  # nobody to exchange numbers with: the next update needs a new init
             self.group.close()
             self.group = None
             stats["error"] += "; init the transfer engine again before the next update"
-        else:
-            self.group.all_gather_object(stats)  # the trainer collects every worker's numbers (or errors)
         if stats["error"] and self.reporter:
             raise RuntimeError(f"reshard: {stats['error']}")
 

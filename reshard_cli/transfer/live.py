@@ -71,10 +71,11 @@ class RefitFailed(RuntimeFailure):
     committed before the failure (the same on every rank), `groups`: all of them."""
 
     def __init__(self, message: str, committed: list[Group], groups: list[Group], exit_code: int = 1,
-                 broken: bool = False):
+                 broken: bool = False, ranks: tuple = ()):
         super().__init__(message)
         self.committed, self.groups, self.exit_code = committed, groups, exit_code
         self.broken = broken  # the refit group is given up (a rank died, stalled or failed mid-transfer)
+        self.ranks = ranks  # with `broken`: the refit ranks the line names
 
     @property
     def partial(self) -> bool:
@@ -153,7 +154,7 @@ class Refit:
             try:
                 self._setup(tensors)
             except GroupBroken as e:
-                raise RefitFailed(f"{e}; {self._progress(0)}", [], [], broken=True) from None
+                raise RefitFailed(f"{e}; {self._progress(0)}", [], [], broken=True, ranks=e.ranks) from None
         # No barriers: the messages themselves order the ranks. When this returns, this rank's part is done
         # (a destination's buffers hold the new weights; a source may change its tensors again).
         t0 = time.perf_counter()
@@ -318,7 +319,8 @@ class Refit:
         except GroupBroken as e:
             if opened is not None:
                 opened.abort(part.group)
-            raise RefitFailed(f"{e}; {self._progress(i)}", self.groups[:i], self.groups, broken=True) from None
+            raise RefitFailed(f"{e}; {self._progress(i)}", self.groups[:i], self.groups, broken=True,
+                              ranks=e.ranks) from None
 
     def _group_steps(self, i: int, part: _Part, tensors, verify_checksums: bool, opened: Stage | None) -> bool:
         error, shards, code = None, None, 1

@@ -23,9 +23,11 @@ the waits are the default group's (`comm.WorldComm`).
 """
 from __future__ import annotations
 
+import atexit
+import queue
 import threading
 import time
-import queue
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -37,6 +39,18 @@ from reshard_cli.errors import RuntimeFailure
 
 POLL = 0.5  # seconds between two looks at the store while a wait is blocked
 DEATH_WINDOW = 3.0  # after a transport error: how long a peer's silent heartbeat takes to say it died
+
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # watchdogs and guards whose threads run: stopped at exit
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Before the interpreter tears down: stop every heartbeat and idle helper thread and wait for them. A
+    process that leaves while one of them is inside a store call can abort in C++ ("terminate called without
+    an active exception"), for example a script that never closes its refit group."""
+    for item in list(_LIVE):
+        item.close()
 
 
 class GroupBroken(RuntimeFailure):
@@ -71,6 +85,7 @@ class Watchdog:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._beat, name=f"reshard-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
@@ -177,6 +192,7 @@ class Guard:
             self._helper_thread = threading.Thread(target=self._helper, args=(self._calls,), daemon=True,
                                                    name=f"reshard-wait-{self.watchdog.rank}")
             self._helper_thread.start()
+            _LIVE.add(self)
         done: Future = Future()
         self._calls.put((fn, args, done))
         while True:

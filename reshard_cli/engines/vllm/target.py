@@ -107,11 +107,15 @@ class EngineTarget(Stage):
         the other parameters copied into place."""
         t0 = time.perf_counter()
         modules, copies = self.open_group
-        for module in modules.values():
-            compat.process_reloaded(module)
-            cpu_repairs.repack_experts(module)
-        for name in modules:
-            cpu_repairs.reprocess_tied(self.tied.get(name, ()))
+        try:
+            for module in modules.values():
+                compat.process_reloaded(module)
+                cpu_repairs.repack_experts(module)
+            for name in modules:
+                cpu_repairs.reprocess_tied(self.tied.get(name, ()))
+        except BaseException:
+            self.abort()  # vLLM's finalize on the group: nothing is left open for the next update
+            raise
         for module in modules.values():
             compat.finish_reload(module, self.model_config)
         for param, copy in copies.values():

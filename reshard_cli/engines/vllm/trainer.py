@@ -35,6 +35,7 @@ class UpdateFailed(RuntimeError):
     def __init__(self, message: str, failure: RefitFailed):
         super().__init__(message)
         self.committed, self.groups, self.group_broken = failure.committed, failure.groups, failure.broken
+        self.ranks = failure.ranks  # the refit ranks a broken group's line names (trainer r is refit rank r)
 
 
 class ReshardSource(_api.WeightSource):
@@ -125,7 +126,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             except RefitFailed as e:  # the same line on every rank that saw it
                 failure = e
             except GroupBroken as e:  # a rank died or stalled outside the groups (the full path)
-                failure = RefitFailed(str(e), [], [], broken=True)
+                failure = RefitFailed(str(e), [], [], broken=True, ranks=e.ranks)
             if failure is None or not failure.broken:
                 try:
                     everyone = self.group.all_gather_object(None)  # the workers' stats, after their update
@@ -133,7 +134,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                     done = self.refit.groups if failure is None and self.refit is not None else \
                         (failure.committed if failure is not None else [])
                     failure = RefitFailed(f"{e} (after the update)", done, self.refit.groups if self.refit else [],
-                                          broken=True)
+                                          broken=True, ranks=e.ranks)
         finally:
             if self.is_sender:
                 try:

@@ -101,6 +101,8 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self._ready()
         if self.path == "full":
             compat.begin_reload(self.model)
+        elif self.target is not None:
+            self.target.abort()  # a group some earlier failure left open, if any
         self.updated = False
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:

@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from conftest import ROOT, write_pair
+from conftest import ROOT, SMALL_MODEL, write_pair
 from dist_util import run_ranks
 
 
@@ -96,13 +96,80 @@ def test_refit_over_its_own_group(tmp_path):
     assert all(results.values()), results
 
 
-def test_own_group_needs_reshard_mode():
-    import pytest
+FLEET = ("""model: model.yaml
+mesh: {tp: 2}
+placements:
+  - {match: 'q_proj|up_proj|embed|lm_head', shard: {tp: 0}}
+  - {match: 'o_proj|down_proj', shard: {tp: 1}}
+""", """model: model.yaml
+mesh: {dp: 2, tp: 2}
+placements:
+  - {match: 'q_proj|up_proj|embed|lm_head', shard: {tp: 0}}
+  - {match: 'o_proj|down_proj', shard: {tp: 1}}
+""", "name: fleet\ndomains: ['2-5']\n")  # a 2-rank trainer; two TP2 replicas sharing one NVLink domain
 
-    from reshard_cli.errors import ConfigError
+
+def _fleet(rank, world, src_path, dst_path, topo_path, port):
+    """Every mode over a refit group of its own (numbered backwards from the default group, so only the refit
+    group can carry the bytes) into two replicas of one domain: each destination shard exact, element by
+    element, from sentinel-filled buffers; every rank's bytes sent and received."""
+    from reshard_cli.formats import load_pair
+    from reshard_cli.transfer.comm import refit_group
+    from reshard_cli.transfer.live import Refit
+
+    group = refit_group("127.0.0.1", port, world - 1 - rank, world)
+    me = group.rank
+    src, dst = load_pair(src_path, dst_path)
+    man = src.manifest.tensors
+    role = "src" if me in src.ranks else "dst"
+    full = {s.name: (torch.arange(s.numel, dtype=torch.float32).reshape(s.shape) + 0.5).to(getattr(torch, s.dtype))
+            for s in man}
+    layout = src if role == "src" else dst
+    out = {}
+    for mode in ("reshard", "broadcast", "hybrid", "auto"):
+        refit = Refit(role=role, src=src_path, dst=dst_path, topology=topo_path, mode=mode, group=group,
+                      reshard_match="up_proj|down_proj")
+        tensors = {man[t].name: (full[man[t].name][box.slices()].clone() if role == "src" else
+                                 torch.full(box.sizes, -7.0).to(full[man[t].name].dtype))
+                   for t, box in layout.held(me)}
+        stats = refit(tensors, verify_checksums=True)
+        exact = all(torch.equal(tensors[man[t].name], full[man[t].name][box.slices()])
+                    for t, box in dst.held(me)) if role == "dst" else True
+        out[mode] = (me, stats.checksums_ok and exact, stats.bytes_sent, stats.bytes_received,
+                     refit.plan.mode, refit.plan.stats())
+    return out
+
+
+def test_every_mode_over_its_own_group_with_forwarding(tmp_path):
+    """Over a refit group of its own, the plan's forwarding and every route run: the trainer sends each byte
+    once into the replicas' domain (the minimum), the replicas forward exactly the plan's in-domain bytes to each
+    other, and broadcast and hybrid (sub-groups on the group's store) land the same values."""
+    from dist_util import free_port
+
+    (tmp_path / "model.yaml").write_text(SMALL_MODEL)
+    paths = []
+    for name, text in zip(("src.yaml", "dst.yaml", "topo.yaml"), FLEET):
+        (tmp_path / name).write_text(text)
+        paths.append(str(tmp_path / name))
+    results = run_ranks(6, _fleet, *paths, free_port())
+    for mode in ("reshard", "broadcast", "hybrid", "auto"):
+        rows = sorted(r[mode] for r in results.values())
+        assert all(ok for _, ok, *_ in rows), (mode, rows)
+        stats = rows[0][5]
+        sent = {me: s for me, _, s, *_ in rows}
+        if mode == "reshard":
+            assert stats["wire_bytes"] == stats["min_wire_bytes"] == stats["bytes"] > 0, stats
+            assert sent[0] + sent[1] == stats["min_wire_bytes"], (sent, stats)  # each byte once into the domain
+            assert sum(sent[r] for r in range(2, 6)) == stats["indomain_bytes"] > 0, (sent, stats)
+            assert sum(r[3] for r in rows) == stats["wire_bytes"] + stats["indomain_bytes"]
+        if mode == "broadcast":
+            assert rows[0][4] == "broadcast" and sent[0] + sent[1] > 0
+
+
+def test_own_group_plans_with_a_topology():
     from reshard_cli.transfer.comm import GroupComm
     from reshard_cli.transfer.live import Refit
 
-    with pytest.raises(ConfigError, match="mode reshard"):
-        Refit(role="idle", mode="hybrid", group=GroupComm(None, 0, 1))
-    assert Refit(role="idle", group=GroupComm(None, 0, 1)).mode == "reshard"  # auto, the default: reshard path only
+    assert Refit(role="idle", group=GroupComm(None, 0, 1)).mode == "auto"  # every route runs over a refit group
+
+

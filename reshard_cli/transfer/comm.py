@@ -6,11 +6,12 @@ makes one over a TCP rendezvous without touching torch.distributed's global stat
 verification and the live API talk through a `Comm`:
 
     WorldComm()            the default process group (torchrun jobs, `reshard run`, `reshard bench`)
-    GroupComm(pg)          a stand-alone ProcessGroup: point-to-point and small collectives only
+    GroupComm(pg)          a stand-alone ProcessGroup, and sub-groups of it made over its own store
 
-Ranks are always the refit's ranks (the ones the layouts name). The broadcast path needs sub-groups per
-root, which a stand-alone group cannot make here: over a `GroupComm` use the reshard mode (it also moves the
-fewest bytes).
+Ranks are always the refit's ranks (the ones the layouts name). The broadcast path's sub-groups (one per
+root) are made the same way on both: collectively, in the same order on every rank; over a `GroupComm` each is
+a stand-alone ProcessGroup of its members only, rendezvoused on the refit group's store under a prefix of its
+own, so no global state of torch.distributed is touched.
 """
 from __future__ import annotations
 
@@ -103,10 +104,13 @@ class WorldComm(_Comm):
 class GroupComm(_Comm):
     """A stand-alone ProcessGroup (not registered with torch.distributed), for example from `refit_group`."""
 
-    def __init__(self, pg, rank: int, size: int, device: torch.device | str = "cpu", guard: Guard | None = None):
+    def __init__(self, pg, rank: int, size: int, device: torch.device | str = "cpu", guard: Guard | None = None,
+                 store=None, timeout: float = 300.0):
         self.pg, self._rank, self._size = pg, rank, size
         self.device = torch.device(device)  # where the group's own small tensors live (cuda for NCCL)
         self.guard = guard
+        self._store, self.timeout = store, timeout  # the store sub-groups rendezvous on
+        self._subgroups: dict[tuple, SubGroup | None] = {}  # member ranks -> this rank's sub-group (None: not in it)
 
     @property
     def rank(self) -> int:
@@ -127,12 +131,36 @@ class GroupComm(_Comm):
         if self.guard is not None:
             self.guard.close()
 
-    def new_group(self, ranks: list[int]):
-        raise ConfigError("the broadcast path needs the job's default process group; a refit over its own group "
-                          "runs in mode reshard", key="mode")
+    def new_group(self, ranks: list[int]) -> "SubGroup | None":
+        """A sub-group of `ranks` (refit ranks). Collective in the torch.distributed sense: every rank calls it
+        with the same ranks in the same order (only members connect); the same ranks again give the same group.
+        None on a rank outside it."""
+        members = tuple(sorted(set(ranks)))
+        if members in self._subgroups:
+            return self._subgroups[members]
+        if self._store is None:
+            raise ConfigError("this refit group has no store to make sub-groups on (make it with refit_group)",
+                              key="group")
+        prefix = f"reshard-sub/{len(self._subgroups)}"  # the same on every rank: the same calls in the same order
+        sub = None
+        if self._rank in members:
+            store = dist.PrefixStore(prefix, self._store)
+            sub = SubGroup(self.run(self._make_pg, store, members.index(self._rank), len(members)), members)
+        self._subgroups[members] = sub
+        return sub
 
-    def broadcast(self, t: torch.Tensor, root: int, group) -> None:
-        raise ConfigError("the broadcast path needs the job's default process group", key="mode")
+    def _make_pg(self, store, rank: int, size: int):
+        if self.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=self.timeout)
+            return dist.ProcessGroupNCCL(store, rank, size, opts)
+        return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=self.timeout))
+
+    def broadcast(self, t: torch.Tensor, root: int, group: "SubGroup") -> None:
+        """`t` from refit rank `root` to every member of `group` (a `new_group`)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = group.ranks.index(root), 0
+        self.wait(group.pg.broadcast([t], opts))
 
     def barrier(self) -> None:
         flag = torch.zeros(1, device=self.device)
@@ -158,6 +186,13 @@ class GroupComm(_Comm):
         self.wait(self.pg.allreduce([moved], opts))
         if moved is not t:
             t.copy_(moved)
+
+
+class SubGroup:
+    """A sub-group of a refit group: its ProcessGroup (ranks 0..n-1) and the refit ranks of its members."""
+
+    def __init__(self, pg, ranks: tuple):
+        self.pg, self.ranks = pg, ranks
 
 
 class _Work:
@@ -192,15 +227,9 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     prefixed = dist.PrefixStore("reshard-refit", store)
     watchdog = Watchdog(store, rank, size, stall=min(timeout / 2, STALL) if stall is None else stall)
     _check_in(prefixed, rank, size, timeout, abort)
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=timeout)
-        pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-    else:
-        pg = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout))
-    comm = GroupComm(pg, rank, size, device if device.type == "cuda" else "cpu",
-                     guard=Guard(watchdog, device if device.type == "cuda" else None))
-    comm._store = store  # keep the store (and, on rank 0, its server) alive with the group
+    comm = GroupComm(None, rank, size, device if device.type == "cuda" else "cpu",
+                     guard=Guard(watchdog, device if device.type == "cuda" else None), store=store, timeout=timeout)
+    comm.pg = comm._make_pg(prefixed, rank, size)  # the store (on rank 0, its server) lives as long as the group
     watchdog.start()
     return comm
 

@@ -54,8 +54,8 @@ class Engine:
         self._bound: tuple | None = None  # the shard dicts the views are of
         self._groups: dict[int, object] = {}
         self.peak_staging_bytes = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0  # reshard path: bytes that arrived at this rank (into its buffers or staging)
+        self.bytes_sent = 0  # payload bytes (a bucket's alignment gaps are not counted)
+        self.bytes_received = 0  # that arrived at this rank (into its buffers or staging; broadcast: whole packs)
 
     # ------------------------------------------------------------------------------------------ groups
 
@@ -168,12 +168,13 @@ class Engine:
                 self._dst_view(t, box).copy_(self._slot(tensor, t, box, off))
         if staged == _RING:
             ring.free()
+        payload = sum(box.numel * self._item[t] for t, box, _ in op.items)  # the bucket's alignment gaps aside
         if not op.send:
-            self.bytes_received += op.nbytes
+            self.bytes_received += payload
         if op.send:
-            self.bytes_sent += op.nbytes
+            self.bytes_sent += payload
             if self.progress:
-                self.progress(op.nbytes)
+                self.progress(payload)
 
     # ---------------------------------------------------------------------------------- broadcast path
 
@@ -186,10 +187,13 @@ class Engine:
                 self._gather(bc, buf, off)
             if buf is not None:
                 self.comm.broadcast(buf, pack.root, self._groups[pack.root])
+                payload = sum(self.plan.src.manifest.tensors[bc.tensor].nbytes for bc, _ in pack.tensors)
                 if is_root:
-                    self.bytes_sent += pack.nbytes
+                    self.bytes_sent += payload
                     if self.progress:
-                        self.progress(pack.nbytes)
+                        self.progress(payload)
+                else:
+                    self.bytes_received += payload
             if self.rank in self.plan.dst.ranks:
                 for bc, off in pack.tensors:
                     sh = self.dst_shards.get(bc.tensor)

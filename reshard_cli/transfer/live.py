@@ -115,10 +115,6 @@ class Refit:
         if group is None and not dist.is_initialized():
             raise ConfigError("call torch.distributed.init_process_group before creating a Refit, or pass group=",
                               key="Refit")
-        if group is not None and mode == "auto":
-            mode = "reshard"
-        if group is not None and mode != "reshard":
-            raise ConfigError(f"a refit over its own group runs in mode reshard, not {mode!r}", key="mode")
         if stage_mb is not None and stage_mb < 0:
             raise ConfigError(f"stage_mb must be 0 (one group) or a budget in MiB, not {stage_mb}", key="stage_mb")
         self.comm = group if group is not None else WORLD

@@ -129,27 +129,34 @@ def _kv_rule(doc: dict, meshes: dict, tp: int, kv: int, file: str) -> dict:
 
 def engine_block(doc: dict, file: str) -> dict:
     """`engine: {kind: vllm, url: http://host:port, stage_mb: 1024}`: a running `vllm serve` that `reshard run`
-    pushes into, and the checkpoint-format MiB each of its workers stages at once during an update."""
+    pushes into (or a fleet of them: `url: [URL, URL]`, whose replicas the layout's `dp` lists in order), and
+    the checkpoint-format MiB each of its workers stages at once during an update."""
     engine = doc.get("engine") or {}
     stage = engine.get("stage_mb")
     if stage is not None and (isinstance(stage, bool) or not isinstance(stage, (int, float)) or stage < 0):
         raise ConfigError(f"expected MiB >= 0 (0: the whole model at once), got {stage!r}", file=file,
                           key="engine.stage_mb", line=_line(engine, "stage_mb"))
-    return {"url": _engine_url(engine, file), "stage_mb": stage}
+    return {"urls": _engine_urls(engine, file), "stage_mb": stage}
 
 
-def _engine_url(engine, file: str) -> str | None:
+def _engine_urls(engine, file: str) -> tuple[str, ...]:
     kind = engine.get("kind", "vllm")
     if kind != "vllm":
         raise ConfigError(f"`format: vllm` runs in a vllm engine, not {kind!r}", file=file, key="engine.kind",
                           line=_line(engine, "kind"))
-    url = engine.get("url")
-    if url is None:
-        return None
-    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
-        raise ConfigError(f"expected an http(s) URL of a running vllm serve, got {url!r}", file=file,
+    given = engine.get("url")
+    if given is None:
+        return ()
+    urls = given if isinstance(given, list) and given else [given]
+    for url in urls:
+        if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+            raise ConfigError(f"expected an http(s) URL of a running vllm serve (or a list of them), got {url!r}",
+                              file=file, key="engine.url", line=_line(engine, "url"))
+    out = tuple(u.rstrip("/") for u in urls)
+    if len(set(out)) < len(out):
+        raise ConfigError(f"{next(u for u in out if out.count(u) > 1)} is listed twice", file=file,
                           key="engine.url", line=_line(engine, "url"))
-    return url.rstrip("/")
+    return out
 
 
 def effective_placement(requested: str, config: dict) -> str:

@@ -132,12 +132,17 @@ class Layout:
     source: Any = None  # raw `source:` mapping (used by `reshard run`)
     format: str = "hf"  # how the framework stores the tensors (reshard_cli.formats)
     expert_order: str = "linear"  # expert e's owner: see expert_owner()
-    engine: Mapping = field(default_factory=dict)  # about the engine it runs in: `url`, `stage_mb` (formats)
+    engine: Mapping = field(default_factory=dict)  # about the engine it runs in: `urls`, `stage_mb` (formats)
+
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        """The running engines this layout describes (`engine: {url: ...}`): one, or a fleet's, in replica order."""
+        return tuple(self.engine.get("urls", ()))
 
     @property
     def engine_url(self) -> str | None:
-        """A running engine this layout describes (`engine: {url: ...}`)."""
-        return self.engine.get("url")
+        """The running engine(s) this layout describes, in words (None: none)."""
+        return ", ".join(self.engine_urls) or None
 
     @property
     def size(self) -> int:

@@ -234,21 +234,36 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     return comm
 
 
+ABORT_GRACE = 10.0  # seconds rank 0 keeps its store up after an abort, for peers still on their way to read it
+
+
 def _check_in(store, rank: int, size: int, timeout: float, abort) -> None:
     store.set(f"in/{rank}", "1")
     deadline = time.monotonic() + timeout
     while True:
-        if store.check(["abort"]):
-            raise RuntimeFailure(f"refit group: {store.get('abort').decode()}")
-        reason = abort() if abort is not None else None
-        if reason:
+        reason = store.get("abort").decode() if store.check(["abort"]) else None
+        if reason is None and abort is not None and (reason := abort()):
             store.set("abort", reason)
+        if reason:
+            _abandon(store, rank, size, min(timeout, ABORT_GRACE))
             raise RuntimeFailure(f"refit group: {reason}")
         if store.check([f"in/{r}" for r in range(size)]):
             return
         if time.monotonic() > deadline:
             missing = [r for r in range(size) if not store.check([f"in/{r}"])]
             raise RuntimeFailure(f"refit group: ranks {missing} did not join within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def _abandon(store, rank: int, size: int, grace: float) -> None:
+    """Leave a check-in that was aborted. Rank 0 serves the store: it stays until every peer has read the
+    reason (or `grace` seconds), so a peer that connects late learns it instead of waiting for a store that is
+    gone."""
+    store.set(f"seen/{rank}", "1")
+    if rank != 0:
+        return
+    until = time.monotonic() + grace
+    while time.monotonic() < until and not store.check([f"seen/{r}" for r in range(size)]):
         time.sleep(0.05)
 
 

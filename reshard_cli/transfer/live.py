@@ -26,6 +26,7 @@ import torch.distributed as dist
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.layouts.layout import Layout, Mesh, Placement
 from reshard_cli import formats
+from reshard_cli.base import checksums
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.models import Manifest, TensorSpec
 from reshard_cli.plan.groups import Group, layer_groups
@@ -47,6 +48,8 @@ class RefitStats:
     checksums_ok: bool | None  # None when not verified
     bytes_received: int = 0  # by this rank, this refit
     groups: int = 1  # staging groups the refit ran in (`stage_mb`)
+    checksum: int | None = None  # verified destination: of everything this rank holds (equal on two replicas'
+    # ranks at the same position exactly when they hold the same values)
 
 
 class Stage:
@@ -91,6 +94,7 @@ class _Part:
     engine: Engine | None = None
     bound: tuple | None = None  # what the engine's shards are views of (see `Refit._bind`)
     casts: list = field(default_factory=list)  # (converted copy, parameter) made at binding
+    checksum: int | None = None  # the last verification's, of this rank's destination shards
 
 
 class Refit:
@@ -167,8 +171,10 @@ class Refit:
             sent, received = sent + part.engine.bytes_sent, received + part.engine.bytes_received
             if len(self.parts) > 1:
                 part.engine.release_staging()  # one group's staging at a time
+        held = verify_checksums and self.rank in self.plan.dst.ranks
         return RefitStats(time.perf_counter() - t0, sent, good if verify_checksums else None, received,
-                          groups=len(self.parts))
+                          groups=len(self.parts),
+                          checksum=checksums.combine(p.checksum for p in self.parts) if held else None)
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -297,8 +303,9 @@ class Refit:
         """Collective: the destination tensors on this rank (`everywhere`: on any rank, as [-1]) whose
         checksum differs from the sources' checksum of the same box."""
         eng = part.engine
-        _actual, mismatched, _ = verify.mismatched_checksums(part.plan, self.rank, eng.src_shards, eng.dst_shards,
-                                                             comm=self.comm)
+        actual, mismatched, _ = verify.mismatched_checksums(part.plan, self.rank, eng.src_shards, eng.dst_shards,
+                                                            comm=self.comm)
+        part.checksum = checksums.combine(actual[t] for t in sorted(actual))
         if not everywhere:
             return mismatched
         flag = torch.tensor([1 if mismatched else 0])

@@ -21,6 +21,7 @@ class LLMClient:
 
     def __init__(self, llm):
         self.llm = llm
+        self.replicas = compat.llm_replicas(llm)  # the layout replicas it drives (its data parallelism)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -88,12 +89,33 @@ def _one_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def check_engine(url: str, workers: int, timeout: float = 30.0) -> None:
-    """A running `vllm serve` at `url` with the weight-transfer routes and as many workers as the layout has
-    ranks; otherwise one ConfigError that says which."""
+def check_engine(url: str, per_replica: int, timeout: float = 30.0) -> int:
+    """The replicas (data-parallel ranks) of a running `vllm serve` at `url` with the weight-transfer routes and
+    `per_replica` workers per replica (the layout's TP × PP); otherwise one ConfigError that says which."""
+    sizes = [_world_size(url, dp, timeout) for dp in ("true", "false")]
+    if sizes[1] != per_replica:
+        raise ConfigError(f"the engine at {url} runs {sizes[1]} worker(s) per replica, the layout's replicas have "
+                          f"{per_replica}", key="engine.url")
+    return sizes[0] // sizes[1]
+
+
+def check_fleet(urls: tuple, dst, timeout: float = 30.0) -> list[int]:
+    """Every engine of a fleet (`engine: {url: [...]}`) reachable, with the layout's replica shape, and as many
+    replicas in all as the layout's `dp`: each engine's replica count, or one ConfigError naming the engine."""
+    from reshard_cli.plan.fleet import fleet_of
+
+    fleet = fleet_of(dst)
+    counts = [check_engine(url, fleet.per_replica, timeout) for url in urls]
+    if sum(counts) != fleet.replicas:
+        raise ConfigError(f"the layout has {fleet.replicas} replica(s) (dp {fleet.replicas}), the engine(s) at "
+                          f"{', '.join(urls)} run {sum(counts)} ({' + '.join(map(str, counts))})", key="engine.url")
+    return counts
+
+
+def _world_size(url: str, include_dp: str, timeout: float) -> int:
     try:
-        with urllib.request.urlopen(f"{url}/get_world_size?include_dp=true", timeout=timeout) as r:  # noqa: S310
-            size = json.loads(r.read())["world_size"]
+        with urllib.request.urlopen(f"{url}/get_world_size?include_dp={include_dp}", timeout=timeout) as r:  # noqa: S310
+            return int(json.loads(r.read())["world_size"])
     except urllib.error.HTTPError as e:
         if e.code == 404:
             raise ConfigError(f"the engine at {url} does not expose vLLM's weight-transfer routes: start it with "
@@ -103,9 +125,6 @@ def check_engine(url: str, workers: int, timeout: float = 30.0) -> None:
     except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
         reason = getattr(e, "reason", None) or e
         raise ConfigError(f"cannot reach a vLLM engine at {url}: {reason}", key="engine.url") from None
-    if size != workers:
-        raise ConfigError(f"the engine at {url} runs {size} workers, the layout has {workers} ranks",
-                          key="engine.url")
 
 
 def portable_layout(file: str) -> str:

@@ -123,6 +123,28 @@ def parallel_sizes(parallel_config) -> dict:
             "ep": bool(parallel_config.enable_expert_parallel)}
 
 
+def workers_per_replica(parallel_config) -> int:
+    """The workers of one data-parallel rank (TP × PP)."""
+    sizes = parallel_sizes(parallel_config)
+    return sizes["tp"] * sizes["pp"]
+
+
+def worker_place(parallel_config, rank: int) -> tuple[int, int]:
+    """(this worker's rank inside its data-parallel rank, that data-parallel rank) from its torch.distributed
+    rank: vLLM numbers the workers of all its DP ranks in one world (`data_parallel_rank × world_size + rank`)
+    when there are several, from 0 in each otherwise."""
+    per = workers_per_replica(parallel_config)
+    dp = getattr(parallel_config, "data_parallel_index", None)
+    if dp is None:
+        dp = parallel_config.data_parallel_rank
+    return rank % per, int(dp)
+
+
+def llm_replicas(llm) -> int:
+    """The data-parallel ranks an `LLM` in this process runs (each a replica of the model)."""
+    return int(llm.llm_engine.vllm_config.parallel_config.data_parallel_size)
+
+
 def load_weights(model, name: str, tensor) -> None:
     """vLLM's own loader for one full checkpoint tensor (the full path)."""
     model.load_weights([(name, tensor)])

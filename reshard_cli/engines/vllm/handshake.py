@@ -9,6 +9,8 @@ import tempfile
 from typing import Mapping
 
 from reshard_cli.errors import ConfigError
+from reshard_cli.hw import nvml
+from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.plan.groups import DEFAULT_STAGE_MB
 from reshard_cli.transfer.agree import Failure, one_line
@@ -23,26 +25,56 @@ def digest(layout=None, tensors: Mapping | None = None) -> list | None:
     return None
 
 
-def handshake(comm, role: str, model, error: str | None) -> None:
+def handshake(comm, role: str, model, error: str | None, domain: str | None = None) -> list:
     """Collective over the refit group: every rank says its role, a hash of its model (None: derived from
-    DTensors later) and whether its own checks passed. Every rank raises the same one-line ConfigError if any
-    failed or two models differ, so no side waits for a transfer that will not come. Only when the hashes
-    differ do the ranks exchange the models themselves, to name the first difference."""
+    DTensors later), whether its own checks passed, and its NVLink domain key (`topology: auto`). Every rank
+    raises the same one-line ConfigError if any failed or two models differ, so no side waits for a transfer
+    that will not come. Only when the hashes differ do the ranks exchange the models themselves, to name the
+    first difference. Returns every rank's domain key, in refit-rank order."""
     mine = hashlib.sha256(repr(model).encode()).hexdigest() if model is not None else None
-    everyone = comm.all_gather_object({"role": role, "model": mine, "error": error})
+    everyone = comm.all_gather_object({"role": role, "model": mine, "error": error, "domain": domain})
     if hasattr(comm, "name_ranks"):
         comm.name_ranks([x["role"] for x in everyone])
     failures = [Failure(r, x["error"], 2, x["role"]) for r, x in enumerate(everyone) if x["error"]]
     if failures:
         raise ConfigError(one_line(failures, label="refit rank"))
+    domains = [x["domain"] for x in everyone]
     if len({x["model"] for x in everyone if x["model"] is not None}) < 2:
-        return
+        return domains
     models = [(r, m) for r, m in enumerate(comm.all_gather_object(model)) if m is not None]
     r0, m0 = models[0]
     for r, m in models[1:]:
         if m != m0:
             raise ConfigError(f"refit ranks {r0} ({everyone[r0]['role']}) and {r} ({everyone[r]['role']}) have "
                               f"different models: {_first_difference(m0, m)}", key="model")
+    return domains
+
+
+def domain_key(topology: str, device) -> str | None:
+    """This rank's NVLink domain key when the refit's topology is discovered (`auto`): its GPU's, through NVML,
+    or its host's on a CPU."""
+    if topology.strip() != "auto":
+        return None
+    index = device.index if device.type == "cuda" and device.index is not None else 0
+    return nvml.rank_domain_key(nvml.discover(), index)
+
+
+def refit_topology(topology: str, domains: list) -> Topology:
+    """The refit group's topology, the same on every rank: none (""), discovered (`auto`: ranks whose domain
+    keys, exchanged in the handshake, are equal share a domain), a bundled name (`gb200-nvl72`), or a topology
+    file's YAML text. Its ranks are refit ranks: the trainer's first, then the engine's workers."""
+    text = topology.strip()
+    if not text:
+        return NO_TOPOLOGY
+    if text == "auto":
+        return nvml.domains_from_keys(domains)
+    if "\n" not in text and ":" not in text:
+        return load_topology(text)
+    with tempfile.TemporaryDirectory(prefix="reshard-vllm-") as tmp:
+        path = os.path.join(tmp, "topology.yaml")
+        with open(path, "w") as f:
+            f.write(text)
+        return load_topology(path)
 
 
 def _first_difference(m0: list, m: list) -> str:

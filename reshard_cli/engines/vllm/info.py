@@ -26,6 +26,11 @@ class ReshardInitInfo(_api.WeightTransferInitInfo):
     path: str = "reshard"  # or "full": the baseline (full tensors to every worker, then load_weights)
     stage_mb: float | None = None  # checkpoint-format MiB a worker stages at once (whole layers; 0: the whole
     # model); None: the layout's `engine: {stage_mb}`, else plan.groups.DEFAULT_STAGE_MB
+    replica: int = 0  # the layout's replica (its `dp` coordinate) of this engine's first data-parallel rank: a
+    # fleet of several engines gives each its own; worker w of DP rank d is layout rank (replica + d) × TP×PP + w
+    topology: str = ""  # the refit ranks' NVLink domains: "" none, "auto" (NVML on every rank), a bundled name,
+    # or a topology file's YAML text (`handshake.refit_topology`)
+    mode: str = "auto"  # the plan's mode (`reshard plan --mode`): auto picks each tensor class's route
 
 
 @dataclass
@@ -46,6 +51,8 @@ class ReshardTrainerInitInfo(_api.TrainerInitInfo):
     path: str = "reshard"
     verify: bool = True
     stage_mb: float | None = None  # what each worker stages at once (ReshardInitInfo.stage_mb)
+    topology: str = ""  # ReshardInitInfo.topology: the refit ranks' domains (trainer ranks first)
+    mode: str = "auto"  # ReshardInitInfo.mode
 
 
 plugin.register()  # importing the trainer API is enough to use it (see the module docstring)

@@ -8,9 +8,10 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from reshard_cli.base import checksums
 from reshard_cli.base.ports import free_port
 from reshard_cli.base.text import fmt_bytes, table
-from reshard_cli.engines.vllm.clients import check_engine, http_client, portable_layout
+from reshard_cli.engines.vllm.clients import check_fleet, http_client, portable_layout
 from reshard_cli.plan.planner import Plan
 from reshard_cli.transfer import launcher, run
 from reshard_cli.transfer.results import RunReport
@@ -24,9 +25,10 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
     checksums the workers compute of what they hold against the sources'."""
     url = plan.dst.engine_url
     source, src_shards, _ = load(opts, plan, rank, device)
+    counts = []
     with launcher.collected("reaching the engine"):
         if rank == 0:
-            check_engine(url, plan.dst.size, timeout=min(opts.timeout, 30.0))
+            counts = check_fleet(plan.dst.engine_urls, plan.dst, timeout=min(opts.timeout, 30.0))
     # vLLM only once the engine answered (importing it prints to stderr)
     from reshard_cli.engines.vllm.trainer import ReshardSource, ReshardTrainerEngine, ReshardTrainerInitInfo
 
@@ -37,10 +39,15 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
     info = ReshardTrainerInitInfo(
         host=opts.refit_host or os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port[0], rank=rank,
         src=portable_layout(plan.src.file), dst=portable_layout(plan.dst.file), timeout=opts.timeout,
-        bucket_mb=opts.bucket_mb, stage_mb=opts.stage_mb)
-    client = http_client(url, opts.timeout) if rank == 0 else None
+        bucket_mb=opts.bucket_mb, stage_mb=opts.stage_mb, topology=topology_text(opts.topology),
+        mode=opts.mode)
+    clients = []
+    for u, n in zip(plan.dst.engine_urls, counts):  # rank 0: one client per engine, with its replicas
+        clients.append(http_client(u, opts.timeout))
+        clients[-1].replicas = n
     with launcher.collected("starting the engine's refit"):
-        engine = ReshardTrainerEngine.trainer_init(info, client=client, source=ReshardSource(lambda: tensors))
+        engine = ReshardTrainerEngine.trainer_init(info, client=clients or None,
+                                                   source=ReshardSource(lambda: tensors))
     reports = []
     if run.HOOKS is not None:
         run.HOOKS.before_transfer(rank)
@@ -55,42 +62,68 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
     return engine_report(opts, plan, url, reports, world)
 
 
+def topology_text(topology) -> str:
+    """`--topology` for the engine's side of the refit: `auto` (discovered on every rank), else the file's YAML
+    text (a bundled name resolved here), "" without one."""
+    if topology is None:
+        return ""
+    if str(topology) == "auto":
+        return "auto"
+    from reshard_cli.layouts import bundled
+
+    return bundled.resolve("topology", topology).read_text()
+
+
 def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int) -> RunReport:
-    """Rank 0's table for a push into a running engine, and its JSON twin."""
+    """Rank 0's table for a push into a running engine (or a fleet of them), and its JSON twin."""
     timed = reports[1:] if len(reports) > 1 else reports
     seconds = statistics.median(r["seconds"] for r in timed)
-    workers = reports[-1]["workers"]
-    received = sum(w["bytes_received"] for w in workers)
+    last = reports[-1]
+    workers, replicas, fleet = last["workers"], last["replicas"], last.get("fleet") or {}
+    landed = last["landed_bytes"]
     direct = sum(w["direct_bytes"] for w in workers)
     repacked = sum(w.get("processed_bytes", 0) for w in workers)
     peak = max((w.get("peak_staged_bytes") or 0 for w in workers), default=0)
-    groups = reports[-1]["trainer"].get("groups", 1)
+    groups = last["trainer"].get("groups", 1)
     ok = all(r["trainer"]["checksums_ok"] for r in reports) and all(w.get("checksums_ok") for w in workers)
     stats = plan.stats()
-    doc = {"mode": "reshard", "src": plan.src.name, "dst": plan.dst.name, "engine": url,
+    doc = {"mode": fleet.get("mode", plan.mode), "src": plan.src.name, "dst": plan.dst.name, "engine": url,
            "model": plan.src.manifest.name, "world": world + plan.dst.size, "iters": opts.iters,
-           "seconds": seconds, "bytes": stats["bytes"], "wire_bytes": received,
-           "wire_gbps": received / seconds / 1e9 if seconds else 0.0,
-           "direct_bytes": direct, "direct_bytes_fraction": direct / received if received else 1.0,
+           "seconds": seconds, "bytes": stats["bytes"], "wire_bytes": last["wire_bytes"],
+           "wire_gbps": last["wire_bytes"] / seconds / 1e9 if seconds else 0.0,
+           "forwarded_bytes": last["forwarded_bytes"], "landed_bytes": landed,
+           "direct_bytes": direct, "direct_bytes_fraction": direct / landed if landed else 1.0,
            "engine_repacked_bytes": repacked, "staging_groups": groups, "peak_staged_bytes": peak,
-           "weight_version": reports[-1].get("weight_version"), "verified": "checksums", "ok": ok,
+           "weight_version": last.get("weight_version"), "verified": "checksums", "ok": ok,
+           "replicas_identical": last["replicas_identical"], "fleet": fleet, "replicas": replicas,
            "workers": [{k: v for k, v in w.items() if k != "error"} for w in workers]}
-    rows = [["reshard", stats["tensors"], fmt_bytes(stats["bytes"]), fmt_bytes(received), f"{seconds * 1e3:.1f}",
-             f"{doc['wire_gbps']:.2f}", 0 if ok else "checksums differ"]]
+    rows = [[doc["mode"], stats["tensors"], fmt_bytes(stats["bytes"]), fmt_bytes(doc["wire_bytes"]),
+             fmt_bytes(doc["forwarded_bytes"]), f"{seconds * 1e3:.1f}", f"{doc['wire_gbps']:.2f}",
+             0 if ok else "checksums differ"]]
     lines = [f"reshard run: {plan.src.manifest.name}  {plan.src.name} ({plan.src.size} ranks) -> vllm serve at {url} "
-             f"({plan.dst.size} workers, {plan.dst.name})  mode reshard  iters {opts.iters}"
-             f"{' (median after warm-up)' if opts.iters > 1 else ''}",
-             table(["path", "tensors", "bytes", "wire", "time ms", "GB/s", "#wrong"], rows),
-             f"  into engine storage: {fmt_bytes(direct)} of {fmt_bytes(received)} received bytes landed in place "
-             f"({100 * doc['direct_bytes_fraction']:.0f} %); vLLM then repacked {fmt_bytes(repacked)} into its "
-             f"kernels' format",
-             f"  staged in {groups} group(s) of whole layers, each committed once every worker had it: at most "
-             f"{fmt_bytes(peak)} in checkpoint format at once on one worker",
-             "  verified by checksums the workers computed of what they hold:"]
+             f"({plan.dst.size} workers in {len(replicas)} replica(s), {plan.dst.name})  mode {doc['mode']}  "
+             f"iters {opts.iters}{' (median after warm-up)' if opts.iters > 1 else ''}",
+             table(["path", "tensors", "bytes", "wire", "forwarded", "time ms", "GB/s", "#wrong"], rows)]
+    if fleet:
+        lines.append(f"  fleet: {fleet['replicas']} replica(s) x {fleet['workers_per_replica']} worker(s); the trainer "
+                     f"sent {fmt_bytes(doc['wire_bytes'])} (plan {fmt_bytes(fleet['wire_bytes'])}, minimum "
+                     f"{fmt_bytes(fleet['min_wire_bytes'])}); one refit per replica would send "
+                     f"{fmt_bytes(fleet['separate_refits_wire_bytes'])}, gather->broadcast "
+                     f"{fmt_bytes(fleet['broadcast_wire_bytes'])}")
+    lines += [f"  into engine storage: {fmt_bytes(direct)} of {fmt_bytes(landed)} landed bytes in place "
+              f"({100 * doc['direct_bytes_fraction']:.0f} %); vLLM then repacked {fmt_bytes(repacked)} into its "
+              f"kernels' format",
+              f"  staged in {groups} group(s) of whole layers, each committed once every worker had it: at most "
+              f"{fmt_bytes(peak)} in checkpoint format at once on one worker",
+              "  verified by checksums the workers computed of what they hold:"]
     for w in workers:
-        lines.append(f"    worker rank {w['worker']:>4}  {fmt_bytes(w['bytes_received']):>10}  "
+        lines.append(f"    replica {w.get('replica', 0):>3}  worker rank {w['worker']:>4}  "
+                     f"{fmt_bytes(w['bytes_received']):>10} landed  {fmt_bytes(w.get('forwarded_bytes', 0)):>10} "
+                     f"forwarded  checksum {checksums.fmt(w['checksum']) if w.get('checksum') is not None else '-'}  "
                      f"{'ok' if w.get('checksums_ok') else 'WRONG'}  staged at most "
                      f"{fmt_bytes(w.get('peak_staged_bytes') or 0)}")
+    if len(replicas) > 1:
+        lines.append(f"  replicas {'identical' if doc['replicas_identical'] else 'DIFFER'} (checksums, worker by worker)")
     if not ok:
         lines.append("  FAILED: the engine's weights differ from the source")
     return RunReport("\n".join(lines), doc, failed=not ok)

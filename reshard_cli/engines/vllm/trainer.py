@@ -15,11 +15,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from reshard_cli import formats
+from reshard_cli.base import checksums
 from reshard_cli.engines.vllm import compat, full
 from reshard_cli.engines.vllm.clients import Call
-from reshard_cli.engines.vllm.handshake import digest, handshake, layouts, stage_mb
+from reshard_cli.engines.vllm.handshake import digest, domain_key, handshake, layouts, refit_topology, stage_mb
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
+from reshard_cli.plan.fleet import fleet_figures, fleet_of
 from reshard_cli.transfer.comm import refit_group
 from reshard_cli.transfer.live import Refit, RefitFailed
 from reshard_cli.transfer.watchdog import GroupBroken
@@ -56,7 +58,13 @@ class ReshardSource(_api.WeightSource):
 class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
     """Trainer side: every trainer rank joins the refit group; rank 0 drives vLLM's handshake through
     the client (an `LLM`, `HTTPVLLMWeightSyncClient`, or anything with the four methods), running each
-    blocking call beside its own part of the transfer."""
+    blocking call beside its own part of the transfer.
+
+    A fleet: `client` may be a list, one client per engine (several servers or `LLM`s), whose replicas the
+    layout's `dp` lists in order; each engine covers as many replicas as its client's `replicas` says (vLLM's
+    data parallelism inside one server; `LLMClient` and `reshard run` set it), one otherwise. One refit then
+    moves the weights into every replica: the trainer sends each byte once per NVLink domain (`topology`),
+    the replicas of a domain forward the rest to each other."""
 
     init_info_cls = ReshardTrainerInitInfo
 
@@ -64,8 +72,10 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
     def trainer_init(cls, init_info, *, client, source=None):
         if source is None:
             raise ValueError("reshard: pass source= (a ReshardSource or vLLM's ModuleSource)")
-        self = cls(client=client, source=source, is_sender=init_info.is_sender)
-        self.info = init_info
+        clients = list(client) if isinstance(client, (list, tuple)) else [client]
+        self = cls(client=clients[0], source=source, is_sender=init_info.is_sender)
+        self.clients = clients if self.is_sender else []
+        self.info, self._fleet_figures = init_info, None
         trainer_size = dist.get_world_size() if dist.is_initialized() else 1
         src, dst = layouts(init_info.src, init_info.dst, trainer_size)
         trainer_size = src.size if src is not None else trainer_size
@@ -73,29 +83,44 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         worker_info = {"host": init_info.host, "port": init_info.port, "world_size": world,
                        "src": init_info.src, "dst": init_info.dst, "trainer_size": trainer_size,
                        "timeout": init_info.timeout, "bucket_mb": init_info.bucket_mb, "path": init_info.path,
-                       "stage_mb": init_info.stage_mb}
-        # the workers' init call blocks until the group forms: run it beside this rank's own joining
-        call = Call(client.init_weight_transfer_engine, worker_info) if self.is_sender else None
+                       "stage_mb": init_info.stage_mb, "topology": init_info.topology, "mode": init_info.mode}
+        try:
+            bases, refused = replica_bases(self.clients, dst) if self.is_sender else [], None
+        except ConfigError as e:  # no engine is called; the other trainer ranks learn it as they join
+            bases, refused = [], str(e)
+        # the workers' init calls block until the group forms: run them beside this rank's own joining
+        calls = [Call(c.init_weight_transfer_engine, {**worker_info, "replica": first})
+                 for c, first in zip(self.clients, bases)]
         tensors = self._tensors()
         self.group = refit_group(init_info.host, init_info.port, init_info.rank, world,
                                  timeout=init_info.timeout, device=_device_of(tensors),
-                                 abort=call.failure if call is not None else None)
+                                 abort=lambda: refused or next((f for f in (c.failure() for c in calls) if f), None))
         error = _own_error(src, tensors, init_info.rank)
         try:
             stage_mb(init_info.stage_mb, dst)
         except ConfigError as e:
             error = error or str(e)
         try:
-            handshake(self.group, f"trainer {init_info.rank}",
-                      digest(src, None if src is not None or error else tensors), error)
+            domains = handshake(self.group, f"trainer {init_info.rank}",
+                                digest(src, None if src is not None or error else tensors), error,
+                                domain_key(init_info.topology, _device_of(tensors)))
+            topology = refit_topology(init_info.topology, domains)
         finally:
-            if call is not None:
+            for call in calls:
                 call.join()
         self.src, self.dst = src, dst
-        self.refit = (Refit(role="src", src=src, dst=dst, mode="reshard", bucket_mb=init_info.bucket_mb,
-                            group=self.group, stage_mb=stage_mb(init_info.stage_mb, dst),
-                            who=f"trainer {init_info.rank}") if init_info.path == "reshard" else None)
+        self.refit = (Refit(role="src", src=src, dst=dst, mode=init_info.mode, topology=topology,
+                            bucket_mb=init_info.bucket_mb, group=self.group,
+                            stage_mb=stage_mb(init_info.stage_mb, dst), who=f"trainer {init_info.rank}")
+                      if init_info.path == "reshard" else None)
         return self
+
+    def fleet_figures(self) -> dict | None:
+        """What one refit of the whole fleet moves beside one refit per replica and the full-tensor baseline
+        (`plan.fleet.fleet_figures`); None before the first refit or on the full path."""
+        if self._fleet_figures is None and self.refit is not None and self.refit.plan is not None:
+            self._fleet_figures = fleet_figures(self.refit.plan, fleet_of(self.refit.plan.dst))
+        return self._fleet_figures
 
     def _tensors(self) -> Mapping[str, torch.Tensor]:
         src = self.source
@@ -114,9 +139,11 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         if self.group is None:
             raise RuntimeError("reshard: the refit group was given up after a failure: trainer_init again")
         tensors = self._tensors()
+        calls = []
         if self.is_sender:
-            self._start_update()
-            call = Call(self.client.update_weights, {"verify": self.info.verify})
+            for client in self.clients:
+                self._start_update(client)
+            calls = [Call(c.update_weights, {"verify": self.info.verify}) for c in self.clients]
         t0 = time.perf_counter()
         failure: RefitFailed | None = None
         everyone, mine = [], {"bytes_sent": 0, "checksums_ok": None}
@@ -128,21 +155,22 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             except GroupBroken as e:  # a rank died or stalled outside the groups (the full path)
                 failure = RefitFailed(str(e), [], [], broken=True, ranks=e.ranks)
             if failure is None or not failure.broken:
-                try:
-                    everyone = self.group.all_gather_object(None)  # the workers' stats, after their update
+                try:  # every rank's numbers, the workers' after their update
+                    everyone = self.group.all_gather_object({"trainer": self.info.rank, **mine})
                 except GroupBroken as e:  # after the update: what it committed stays committed
                     done = self.refit.groups if failure is None and self.refit is not None else \
                         (failure.committed if failure is not None else [])
                     failure = RefitFailed(f"{e} (after the update)", done, self.refit.groups if self.refit else [],
                                           broken=True, ranks=e.ranks)
         finally:
-            if self.is_sender:
+            for call in calls:
                 try:
                     call.join()
                 except RuntimeError:
                     pass  # the workers' own error, gathered above, says more
         seconds = time.perf_counter() - t0
-        workers = [s for s in everyone if s is not None]
+        workers = [s for s in everyone if s is not None and "worker" in s]
+        trainers = [s for s in everyone if s is not None and "trainer" in s]
         failed = next((w for w in workers if w["error"]), None)
         version = weight_version
         landed = failure is not None and failure.groups and len(failure.committed) == len(failure.groups)
@@ -151,46 +179,50 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                        f"{weight_version or 'update'}+partial-{len(failure.committed)}of{len(failure.groups)}")
         if self.is_sender:
             changed = failure is None or failure.partial
-            self._finish_update(version, failure is None and failed is None, changed=changed)
+            for client in self.clients:
+                self._finish_update(client, version, failure is None and failed is None, changed=changed)
         if failure is not None:
             if failure.broken:  # the group is given up: the next refit needs a new trainer_init
                 self.shutdown()
             raise UpdateFailed(f"reshard: {failure}", failure) from None
         if failed:
             raise RuntimeError(f"reshard: refit rank {failed['worker']} (vLLM worker): {failed['error']}")
-        return {"seconds": seconds, "trainer": mine, "workers": workers, "weight_version": version}
+        return {"seconds": seconds, "trainer": mine, "trainers": trainers, "workers": workers,
+                "weight_version": version, **fleet_report(trainers, workers),
+                "fleet": self.fleet_figures() if self.is_sender else None}
 
-    def _finish_update(self, version: str | None, ok: bool, *, changed: bool) -> None:
+    def _finish_update(self, client, version: str | None, ok: bool, *, changed: bool) -> None:
         """The engine's finish_weight_update, and what a changed model needs: the new weight version, and the
         prefix cache dropped (the KV of earlier prompts was computed with the old weights, and vLLM does not
         drop it on a weight update). After a failure vLLM has already ended the update on the worker that
         reported it, so its finish is expected to fail there; the version is then set on its own."""
         if ok:
-            self.client.finish_weight_update(version)
+            client.finish_weight_update(version)
         else:
-            _quietly(self.client.finish_weight_update, None)
-            setter = getattr(self.client, "update_weight_version", None)
+            _quietly(client.finish_weight_update, None)
+            setter = getattr(client, "update_weight_version", None)
             if version is not None and setter is not None:
                 setter(version)
-        reset = getattr(self.client, "reset_prefix_cache", None)
+        reset = getattr(client, "reset_prefix_cache", None)
         if reset is not None and changed:
             reset()
 
-    def _start_update(self) -> None:
+    def _start_update(self, client) -> None:
         """The engine's start_weight_update. An update left open (a trainer that died before finishing it, a
         failure vLLM ended on some workers only) is finished first: vLLM refuses to start one while another
         is active."""
         try:
-            self.client.start_weight_update()
+            client.start_weight_update()
         except Exception:  # noqa: BLE001 - vLLM's RuntimeError, or an HTTP 500 carrying it
-            _quietly(self.client.finish_weight_update, None)
-            self.client.start_weight_update()
+            _quietly(client.finish_weight_update, None)
+            client.start_weight_update()
 
     def _send(self, tensors: Mapping[str, torch.Tensor]) -> dict:
         """This rank's part of one update: the refit, or the full path's tensors."""
         if self.refit is not None:
             rs = self.refit(tensors, verify_checksums=self.info.verify)
-            return {"bytes_sent": rs.bytes_sent, "checksums_ok": rs.checksums_ok, "groups": rs.groups}
+            return {"bytes_sent": rs.bytes_sent, "checksums_ok": rs.checksums_ok, "groups": rs.groups,
+                    "seconds": rs.seconds}
         sent = full.send_full(self.group, tensors, self.src, self.dst, self.info.rank)
         return {"bytes_sent": sent, "checksums_ok": None}
 
@@ -198,6 +230,42 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         if getattr(self, "group", None) is not None:
             self.group.close()
         self.refit = self.group = None
+
+
+def fleet_report(trainers: list[dict], workers: list[dict]) -> dict:
+    """One update's bytes as the fleet saw them: sent by the trainer (`wire_bytes`), forwarded between the
+    engine's workers, landed in each; and per replica its workers' checksums (equal, position by position, on
+    every replica that holds the same weights) and its slowest worker's time."""
+    replicas: dict[int, list] = {}
+    for w in sorted(workers, key=lambda w: w["worker"]):
+        replicas.setdefault(w.get("replica", 0), []).append(w)
+    rows = [{"replica": r, "workers": [w["worker"] for w in ws],
+             "landed_bytes": sum(w.get("bytes_received", 0) for w in ws),
+             "forwarded_bytes": sum(w.get("forwarded_bytes", 0) for w in ws),
+             "checksums": [checksums.fmt(w["checksum"]) if w.get("checksum") is not None else None for w in ws],
+             "checksums_ok": all(w.get("checksums_ok") for w in ws),
+             "seconds": max((w.get("seconds", 0.0) for w in ws), default=0.0),
+             "processing_seconds": max((w.get("processing_seconds") or 0.0 for w in ws), default=0.0)}
+            for r, ws in sorted(replicas.items())]
+    return {"wire_bytes": sum(t.get("bytes_sent", 0) for t in trainers),
+            "forwarded_bytes": sum(r["forwarded_bytes"] for r in rows),
+            "landed_bytes": sum(r["landed_bytes"] for r in rows), "replicas": rows,
+            "replicas_identical": len({tuple(r["checksums"]) for r in rows}) <= 1 and
+            all(c is not None for r in rows for c in r["checksums"])}
+
+
+def replica_bases(clients: list, dst) -> list[int]:
+    """The layout replica each client's engine starts at: the replicas of the clients before it. A client says
+    how many it drives with `replicas` (one without; a single client without it drives the whole layout). More
+    or fewer than the layout's `dp` is one ConfigError, before any engine is called."""
+    fleet = fleet_of(dst)
+    if len(clients) == 1 and getattr(clients[0], "replicas", None) is None:
+        return [0]
+    counts = [int(getattr(c, "replicas", None) or 1) for c in clients]
+    if sum(counts) != fleet.replicas:
+        raise ConfigError(f"the layout has {fleet.replicas} replica(s) (dp {fleet.replicas}), the {len(clients)} "
+                          f"engine client(s) drive {sum(counts)} ({' + '.join(map(str, counts))})", key="dst")
+    return [sum(counts[:i]) for i in range(len(counts))]
 
 
 def _own_error(src, tensors: Mapping[str, torch.Tensor], rank: int) -> str | None:

@@ -29,10 +29,11 @@ import time
 import torch.distributed as dist
 
 from reshard_cli.engines.vllm import compat, cpu_repairs, full
-from reshard_cli.engines.vllm.handshake import digest, handshake, layouts, stage_mb
+from reshard_cli.engines.vllm.handshake import digest, domain_key, handshake, layouts, refit_topology, stage_mb
 from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
 from reshard_cli.errors import ConfigError, ReshardError
+from reshard_cli.plan.fleet import fleet_of
 from reshard_cli.transfer.comm import refit_group
 from reshard_cli.transfer.live import Refit, RefitFailed
 from reshard_cli.transfer.watchdog import GroupBroken
@@ -45,57 +46,67 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
 
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
         self.shutdown()
-        worker = dist.get_rank() if dist.is_initialized() else 0
-        self.role = f"vLLM worker {worker}"
-        self.reporter = _reports_failures(self.parallel_config, worker)
+        local, dp = compat.worker_place(self.parallel_config, dist.get_rank() if dist.is_initialized() else 0)
+        self.replica = init_info.replica + dp  # this worker's replica in the layout's fleet
+        self.worker = self.replica * compat.workers_per_replica(self.parallel_config) + local  # its layout index
+        self.role = f"vLLM worker {self.worker}"
+        self.reporter = _reports_failures(self.parallel_config, local)
         try:
-            self._init(init_info, worker)
+            self._init(init_info)
         except ValueError:
             self.shutdown()
             if self.reporter:  # the others return: vLLM reads their replies, then this failure (see above)
                 raise
 
-    def _init(self, init_info: ReshardInitInfo, worker: int) -> None:
+    def _init(self, init_info: ReshardInitInfo) -> None:
         if init_info.path not in ("reshard", "full"):
             raise ValueError(f"reshard: path must be 'reshard' or 'full', not {init_info.path!r}")
-        src, dst, error = self._check(init_info, worker)
-        try:
+        src, dst, error, misplaced = self._check(init_info)
+        me = f"refit rank {self.refit_rank} ({self.role})"
+        try:  # a worker that is not the layout's (another TP, a replica too many) ends everyone's wait at once:
+            # the group may never fill, and nobody should wait for it until the timeout
             group = refit_group(init_info.host, init_info.port, self.refit_rank, init_info.world_size,
-                                timeout=init_info.timeout, device=self.device)
+                                timeout=init_info.timeout, device=self.device,
+                                abort=(lambda: f"{me}: {error}") if misplaced else None)
         except ReshardError as e:
-            raise ValueError(f"reshard: vLLM worker {worker}: {e}") from None
+            raise ValueError(f"reshard: {self.role}: {e}") from None
         try:
-            handshake(group, self.role, digest(dst), error)
+            domains = handshake(group, self.role, digest(dst), error, domain_key(init_info.topology, self.device))
+            topology = refit_topology(init_info.topology, domains)
         except ReshardError as e:
             group.close()
             raise ValueError(f"reshard: {e}") from None
         self.group, self.src, self.dst, self.path = group, src, dst, init_info.path
         self.refit = None
         if self.path == "reshard":
-            self.refit = Refit(role="dst", src=src, dst=dst, mode="reshard", bucket_mb=init_info.bucket_mb,
-                               group=group, device=self.device, stage_mb=stage_mb(init_info.stage_mb, dst),
-                               who=self.role)
+            self.refit = Refit(role="dst", src=src, dst=dst, mode=init_info.mode, topology=topology,
+                               bucket_mb=init_info.bucket_mb, group=group, device=self.device,
+                               stage_mb=stage_mb(init_info.stage_mb, dst), who=self.role)
         self.last_stats = None
         self.updated = False
 
-    def _check(self, init_info: ReshardInitInfo, worker: int):
-        """This worker's own checks before the handshake: (src, dst, its error or None); sets `refit_rank` and
-        (path reshard) `target`. Without a rank in the layout there is nobody to tell: ValueError at once."""
-        error, src, dst = None, None, None
+    def _check(self, init_info: ReshardInitInfo):
+        """This worker's own checks before the handshake: (src, dst, its error or None, whether the error is
+        the deployment's); sets `refit_rank`, `role` and (path reshard) `target`. Without a rank in the layout
+        there is nobody to tell: ValueError at once."""
+        error, src, dst, misplaced = None, None, None, False
         try:
             compat.check_version()
             src, dst = layouts(init_info.src, init_info.dst, init_info.trainer_size)
-            check_deployment(dst, self.parallel_config, worker)
+            self.role = worker_role(dst, self.worker)
+            misplaced = True
+            check_deployment(dst, self.parallel_config, self.worker, self.replica)
+            misplaced = False
             stage_mb(init_info.stage_mb, dst)
-            self.refit_rank = dst.ranks[worker]
+            self.refit_rank = dst.ranks[self.worker]
             if init_info.path == "reshard":
                 self.target = EngineTarget(self.model, dst, self.refit_rank, self.model_config)
         except ReshardError as e:
-            if dst is None or worker >= dst.size:
-                raise ValueError(f"reshard: {e}") from None  # no rank to tell the others from
+            if dst is None or self.worker >= dst.size:
+                raise ValueError(f"reshard: {self.role}: {e}") from None  # no rank to tell the others from
             error = str(e)
-            self.refit_rank = dst.ranks[worker]
-        return src, dst, error
+            self.refit_rank = dst.ranks[self.worker]
+        return src, dst, error, misplaced
 
     def start_weight_update(self) -> None:
         self._ready()
@@ -110,7 +121,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         if self.updated:
             raise RuntimeError("reshard: one update_weights per start_weight_update (it moves every tensor)")
         t0 = time.perf_counter()
-        stats = {"worker": self.refit_rank, "error": None}
+        stats = {"worker": self.refit_rank, "replica": self.replica, "error": None}
         broken = False
         try:
             stats.update(self._receive(update_info))
@@ -148,6 +159,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self.target.reset_stats()
         rs = self.refit(verify_checksums=update_info.verify, stage=self.target)
         return {"bytes_received": rs.bytes_received, "direct_bytes": rs.bytes_received,
+                "forwarded_bytes": rs.bytes_sent, "checksum": rs.checksum,
                 "processed_bytes": self.target.staged_bytes, "processing_seconds": self.target.processing_seconds,
                 "checksums_ok": rs.checksums_ok, "groups": rs.groups, "committed_groups": rs.groups,
                 "peak_staged_bytes": self.target.peak_staged_bytes}
@@ -175,8 +187,17 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self.refit = self.group = self.target = None
 
 
-def check_deployment(dst, parallel_config, worker: int) -> None:
-    """The destination layout must describe this vLLM deployment: format, sizes, expert parallelism."""
+def worker_role(dst, worker: int) -> str:
+    """What a worker is called in lines: its replica too when the layout is a fleet."""
+    fleet = fleet_of(dst)
+    if fleet.replicas == 1:
+        return f"vLLM worker {worker}"
+    return f"vLLM replica {fleet.replica_of(worker)} worker {worker % fleet.per_replica}"
+
+
+def check_deployment(dst, parallel_config, worker: int, replica: int = 0) -> None:
+    """The destination layout must describe this vLLM deployment: format, sizes, expert parallelism, and a
+    replica the layout has (its `dp`)."""
     if dst.format != "vllm":
         raise ConfigError(f"the engine's layout must have `format: vllm`, not {dst.format!r}", key="dst")
     mesh = next(iter(dst.meshes.values()))
@@ -189,13 +210,16 @@ def check_deployment(dst, parallel_config, worker: int) -> None:
     if bool(dst.experts) != runs["ep"] and any(".experts." in t.name for t in dst.manifest.tensors):
         raise ConfigError(f"the layout {'has' if dst.experts else 'has no'} expert parallelism, the engine "
                           f"{'does not' if dst.experts else 'does'}", key="dst")
+    fleet = fleet_of(dst)
+    if replica >= fleet.replicas:
+        raise ConfigError(f"this engine's data-parallel rank is replica {replica} of the fleet, the layout has "
+                          f"{fleet.replicas} (dp {fleet.replicas})", key="dst")
     if worker >= dst.size:
         raise ConfigError(f"vLLM worker {worker} has no rank in the layout ({dst.size} ranks)", key="dst")
 
 
-def _reports_failures(parallel_config, worker: int) -> bool:
-    """Whether this worker raises an agreed failure to vLLM: only the executor's last worker does (see the
-    module docstring), so vLLM reads every other worker's reply before the failure."""
-    runs = compat.parallel_sizes(parallel_config)
-    per_engine = runs["tp"] * runs["pp"]
-    return worker % per_engine == per_engine - 1
+def _reports_failures(parallel_config, local: int) -> bool:
+    """Whether this worker (`local`: its rank inside its data-parallel rank) raises an agreed failure to vLLM:
+    only each executor's last worker does (see the module docstring), so vLLM reads every other worker's reply
+    before the failure."""
+    return local == compat.workers_per_replica(parallel_config) - 1

@@ -1,0 +1,71 @@
+"""A destination that is a fleet of identical replicas (an inference engine's data parallelism, or several
+engines): which replica each destination rank belongs to, and what one refit of the whole fleet costs beside
+the alternatives — one refit per replica, and the full-tensor baseline (gather, then broadcast).
+
+A layout's replicas are the coordinates of its `dp` mesh dim: a destination rank's replica is its index in
+the layout divided by the ranks per replica (`dp` is the slowest dim of an engine's mesh: vLLM places worker
+`data_parallel_index × TP×PP + rank`). Within one NVLink domain, the plan's forwarding makes the fleet cost
+the trainer about one replica's bytes; N separate refits cost it N times that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from reshard_cli.layouts.layout import Layout
+from reshard_cli.layouts.topology import Topology
+
+
+@dataclass(frozen=True)
+class Fleet:
+    replicas: int  # identical replicas in the destination layout
+    per_replica: int  # destination ranks per replica
+
+    def replica_of(self, index: int) -> int:
+        """The replica of the destination layout's `index`-th rank."""
+        return index // self.per_replica
+
+    def ranks_of(self, dst: Layout, replica: int) -> tuple[int, ...]:
+        return dst.ranks[replica * self.per_replica:(replica + 1) * self.per_replica]
+
+
+def fleet_of(dst: Layout) -> Fleet:
+    """The replicas of a destination layout: the size of its meshes' `dp` dim (one replica without one)."""
+    replicas = 1
+    for mesh in dst.meshes.values():
+        sizes = dict(zip(mesh.dims, mesh.shape))
+        if "dp" in sizes and tuple(mesh.ranks) == tuple(dst.ranks) and mesh.dims[0] in ("dp", "pp"):
+            replicas = sizes["dp"]
+            break
+    if dst.size % replicas:
+        replicas = 1
+    return Fleet(replicas, dst.size // replicas)
+
+
+def separate_topology(topology: Topology, dst: Layout, fleet: Fleet) -> Topology:
+    """`topology` with every domain cut at replica boundaries: what N separate refits, one per replica, can
+    forward (inside a replica only)."""
+    owner = {r: fleet.replica_of(i) for i, r in enumerate(dst.ranks)}
+    ranks = sorted(set(dst.ranks) | {r for d in topology.domains for r in d})
+    cut: dict[tuple, list[int]] = {}
+    for r in ranks:
+        cut.setdefault((topology.domain_of(r), owner.get(r, -1)), []).append(r)
+    return replace(topology, name=f"{topology.name} (per replica)", ranks_per_domain=None,
+                   domains=tuple(tuple(v) for v in sorted(cut.values(), key=lambda v: v[0]) if len(v) > 1))
+
+
+def fleet_figures(plan, fleet: Fleet) -> dict:
+    """What one refit of the whole fleet moves (`plan`'s own figures) beside N separate refits (one plan whose
+    domains stop at replica boundaries, forwarding inside each replica only) and the full-tensor baseline.
+    `indomain_bytes` are the bytes forwarded inside domains (plus any a source rank sends inside its own
+    domain: none when the trainer shares no domain with the engine)."""
+    from reshard_cli.plan.planner import Plan
+
+    stats = plan.stats()
+    separate = stats["wire_bytes"]
+    if fleet.replicas > 1:
+        alone = Plan(plan.src, plan.dst, separate_topology(plan.topology, plan.dst, fleet), mode="reshard")
+        separate = alone.stats()["wire_bytes"]
+    return {"mode": plan.mode, "replicas": fleet.replicas, "workers_per_replica": fleet.per_replica,
+            "wire_bytes": stats["wire_bytes"], "min_wire_bytes": stats["min_wire_bytes"],
+            "indomain_bytes": stats["indomain_bytes"], "separate_refits_wire_bytes": separate,
+            "broadcast_wire_bytes": stats["broadcast_wire_bytes"]}

@@ -226,7 +226,12 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
                              f"({first})") from None
     prefixed = dist.PrefixStore("reshard-refit", store)
     watchdog = Watchdog(store, rank, size, stall=min(timeout / 2, STALL) if stall is None else stall)
-    _check_in(prefixed, rank, size, timeout, abort)
+    try:
+        _check_in(prefixed, rank, size, timeout, abort)
+    except dist.DistError as e:  # rank 0 left (an abort whose reason came too late here), or its host died
+        raise RuntimeFailure(f"refit group: rank 0's store at {host}:{port} went away while rank {rank} was "
+                             f"joining ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+                             f"; the group was given up") from None
     comm = GroupComm(None, rank, size, device if device.type == "cuda" else "cpu",
                      guard=Guard(watchdog, device if device.type == "cuda" else None), store=store, timeout=timeout)
     comm.pg = comm._make_pg(prefixed, rank, size)  # the store (on rank 0, its server) lives as long as the group
@@ -235,6 +240,21 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
 
 
 ABORT_GRACE = 10.0  # seconds rank 0 keeps its store up after an abort, for peers still on their way to read it
+
+
+def abort_group(host: str, port: int, reason: str, *, rank: int | None = None, timeout: float = 60.0) -> None:
+    """Tell every process joining the refit group at host:port that it will not form, and why: from a process
+    that cannot join it (an engine worker that is not the layout's; `rank` when it has one). Nobody listening
+    within `timeout`: nobody to tell."""
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        prefixed = dist.PrefixStore("reshard-refit", store)
+        prefixed.set("abort", reason)
+        if rank is not None:
+            prefixed.set(f"seen/{rank}", "1")
+    except (dist.DistError, RuntimeError):
+        pass
 
 
 def _check_in(store, rank: int, size: int, timeout: float, abort) -> None:

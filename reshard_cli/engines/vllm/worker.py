@@ -34,7 +34,7 @@ from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
 from reshard_cli.errors import ConfigError, ReshardError
 from reshard_cli.plan.fleet import fleet_of
-from reshard_cli.transfer.comm import refit_group
+from reshard_cli.transfer.comm import abort_group, refit_group
 from reshard_cli.transfer.live import Refit, RefitFailed
 from reshard_cli.transfer.watchdog import GroupBroken
 
@@ -49,6 +49,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         local, dp = compat.worker_place(self.parallel_config, dist.get_rank() if dist.is_initialized() else 0)
         self.replica = init_info.replica + dp  # this worker's replica in the layout's fleet
         self.worker = self.replica * compat.workers_per_replica(self.parallel_config) + local  # its layout index
+        self.local = local
         self.role = f"vLLM worker {self.worker}"
         self.reporter = _reports_failures(self.parallel_config, local)
         try:
@@ -62,12 +63,15 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         if init_info.path not in ("reshard", "full"):
             raise ValueError(f"reshard: path must be 'reshard' or 'full', not {init_info.path!r}")
         src, dst, error, misplaced = self._check(init_info)
-        me = f"refit rank {self.refit_rank} ({self.role})"
-        try:  # a worker that is not the layout's (another TP, a replica too many) ends everyone's wait at once:
-            # the group may never fill, and nobody should wait for it until the timeout
+        if misplaced:  # not the layout's worker (another TP, a replica too many): the group may never fill, so
+            # this worker ends everyone's wait for it at once, naming itself, instead of joining
+            me = self.role if self.refit_rank is None else f"refit rank {self.refit_rank} ({self.role})"
+            abort_group(init_info.host, init_info.port, f"{me}: {error}", rank=self.refit_rank,
+                        timeout=min(init_info.timeout, 60.0))
+            raise ValueError(f"reshard: {me}: {error}")
+        try:
             group = refit_group(init_info.host, init_info.port, self.refit_rank, init_info.world_size,
-                                timeout=init_info.timeout, device=self.device,
-                                abort=(lambda: f"{me}: {error}") if misplaced else None)
+                                timeout=init_info.timeout, device=self.device)
         except ReshardError as e:
             raise ValueError(f"reshard: {self.role}: {e}") from None
         try:
@@ -90,22 +94,22 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         the deployment's); sets `refit_rank`, `role` and (path reshard) `target`. Without a rank in the layout
         there is nobody to tell: ValueError at once."""
         error, src, dst, misplaced = None, None, None, False
+        self.refit_rank = None
         try:
             compat.check_version()
             src, dst = layouts(init_info.src, init_info.dst, init_info.trainer_size)
-            self.role = worker_role(dst, self.worker)
+            self.role = worker_role(dst, self.replica, self.local, self.worker)
+            self.refit_rank = dst.ranks[self.worker] if self.worker < dst.size else None
             misplaced = True
             check_deployment(dst, self.parallel_config, self.worker, self.replica)
             misplaced = False
             stage_mb(init_info.stage_mb, dst)
-            self.refit_rank = dst.ranks[self.worker]
             if init_info.path == "reshard":
                 self.target = EngineTarget(self.model, dst, self.refit_rank, self.model_config)
         except ReshardError as e:
-            if dst is None or self.worker >= dst.size:
-                raise ValueError(f"reshard: {self.role}: {e}") from None  # no rank to tell the others from
+            if dst is None:
+                raise ValueError(f"reshard: {self.role}: {e}") from None  # no layout: nobody to tell
             error = str(e)
-            self.refit_rank = dst.ranks[self.worker]
         return src, dst, error, misplaced
 
     def start_weight_update(self) -> None:
@@ -187,12 +191,11 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self.refit = self.group = self.target = None
 
 
-def worker_role(dst, worker: int) -> str:
-    """What a worker is called in lines: its replica too when the layout is a fleet."""
-    fleet = fleet_of(dst)
-    if fleet.replicas == 1:
+def worker_role(dst, replica: int, local: int, worker: int) -> str:
+    """What a worker is called in lines: its replica and its rank in it when the layout is a fleet."""
+    if fleet_of(dst).replicas == 1 and replica == 0:
         return f"vLLM worker {worker}"
-    return f"vLLM replica {fleet.replica_of(worker)} worker {worker % fleet.per_replica}"
+    return f"vLLM replica {replica} worker {local}"
 
 
 def check_deployment(dst, parallel_config, worker: int, replica: int = 0) -> None:

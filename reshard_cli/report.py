@@ -29,6 +29,7 @@ def plan_text(s: dict) -> str:
         f"(ideal {fmt_bytes(s['ideal_rank_recv_bytes'])}, {_over(s['max_rank_recv_bytes'], s['ideal_rank_recv_bytes'])})",
         f"  planned in    {s['plan_seconds'] * 1e3:.0f} ms",
         *_storage_lines(s.get("trainer"), s.get("engine"), s.get("staging")),
+        *_fleet_lines(s.get("fleet")),
         "",
         table(["path", "tensors", "bytes", "wire", "in-domain", "pieces"],
               [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),
@@ -74,6 +75,16 @@ def _storage_lines(trainer: dict | None, engine: dict | None, stage: dict | None
                      f"{fmt_bytes(stage['whole_bytes'])} for the whole model (largest layer "
                      f"{fmt_bytes(stage['largest_layer_bytes'])})")
     return lines
+
+
+def _fleet_lines(f: dict | None) -> list[str]:
+    """A destination of several replicas (`plan.fleet`): this one refit beside one refit per replica."""
+    if not f:
+        return []
+    return [f"  fleet         {f['replicas']} replicas x {f['workers_per_replica']} ranks: one refit of all sends "
+            f"{fmt_bytes(f['wire_bytes'])} on the wire; one refit per replica {fmt_bytes(f['separate_refits_wire_bytes'])}"
+            f" ({_ratio(f['separate_refits_wire_bytes'], f['wire_bytes'])}), gather->broadcast "
+            f"{fmt_bytes(f['broadcast_wire_bytes'])}"]
 
 
 def _ratio(a: float, b: float) -> str:

@@ -129,6 +129,8 @@ TIER_MODULES: dict[str, tuple[str, ...]] = {
     "test_vllm_refit": _VLLM,
     "test_vllm_staging": _VLLM,
     "test_vllm_fleet": _VLLM,
+    "test_vllm_serve_fleet": _VLLM,
+    "test_vllm_serve_dp": _VLLM,
     "test_vllm_serve": _VLLM,
     "test_vllm_contract": ("vllm",),  # vLLM's symbols, no engine: seconds
     "test_transport": _PROCS,  # every mode on gloo process groups

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,36 +27,41 @@ CONFIG = dict(model_type="qwen3_moe", vocab_size=1000, hidden_size=128, intermed
               head_dim=64, num_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
               tie_word_embeddings=False)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8], [900, 1, 2, 3, 4, 5], [77] * 12]
+TRAIN = "model: {config}\nmesh: {{fsdp: 2}}\nplacements:\n  - {{match: '.', shard: {{fsdp: 0}}}}\n"
 
 
-def _checkpoint(path, seed):
+def checkpoint(path, seed, config=None):
+    """A tiny random model (CONFIG unless `config`) written by transformers' own `save_pretrained`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**CONFIG)
-    config.architectures = ["Qwen3MoeForCausalLM"]
+    config = dict(config or CONFIG)
+    arch = "Qwen3ForCausalLM" if config["model_type"] == "qwen3" else "Qwen3MoeForCausalLM"
+    config = AutoConfig.for_model(**config)
+    config.architectures = [arch]
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     return path
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    a, b = _checkpoint(root / "a", 0), _checkpoint(root / "b", 1)
+@contextmanager
+def serving(root, model, *extra):
+    """A `vllm serve` of `model` (the CPU build's OpenAI server, with the `reshard` backend and the
+    weight-transfer routes), up and answering; its URL. Stopped on exit."""
     port = free_port()
-    log = open(root / "server.log", "w")
+    log_path = root / f"server-{port}.log"
+    log = open(log_path, "w")
     env = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a),
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                                "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256",
-                               "--weight-transfer-config", json.dumps({"backend": "reshard"})],
+                               "--weight-transfer-config", json.dumps({"backend": "reshard"}), *extra],
                               stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 900
         while True:
             if server.poll() is not None:
-                pytest.fail(f"vllm serve exited: {(root / 'server.log').read_text()[-3000:]}")
+                pytest.fail(f"vllm serve exited: {log_path.read_text()[-3000:]}")
             try:
                 urllib.request.urlopen(f"{url}/health", timeout=5)
                 break
@@ -63,12 +69,7 @@ def served(tmp_path_factory):
                 if time.monotonic() > deadline:
                     pytest.fail("vllm serve did not come up in 900 s")
                 time.sleep(2)
-        config = a / "config.json"
-        (root / "train.yaml").write_text(f"model: {config}\nmesh: {{fsdp: 2}}\n"
-                                         f"placements:\n  - {{match: '.', shard: {{fsdp: 0}}}}\n")
-        (root / "infer.yaml").write_text(f"model: {config}\nformat: vllm\nmesh: {{tp: 1}}\n"
-                                         f"engine: {{kind: vllm, url: '{url}'}}\n")
-        yield {"root": root, "a": a, "b": b, "url": url, "model": str(a)}
+        yield url
     finally:
         server.terminate()
         try:
@@ -78,18 +79,33 @@ def served(tmp_path_factory):
         log.close()
 
 
-def _complete(served) -> list:
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    a, b = checkpoint(root / "a", 0), checkpoint(root / "b", 1)
+    with serving(root, a) as url:
+        config = a / "config.json"
+        (root / "train.yaml").write_text(TRAIN.format(config=config))
+        (root / "infer.yaml").write_text(f"model: {config}\nformat: vllm\nmesh: {{tp: 1}}\n"
+                                         f"engine: {{kind: vllm, url: '{url}'}}\n")
+        yield {"root": root, "a": a, "b": b, "url": url, "model": str(a)}
+
+
+def complete(url: str, model: str) -> list:
     """Greedy continuations of token-id prompts (logprobs need a tokenizer in the server; the engine has none)."""
-    body = json.dumps({"model": served["model"], "prompt": PROMPTS, "max_tokens": 16, "temperature": 0.0,
+    body = json.dumps({"model": model, "prompt": PROMPTS, "max_tokens": 16, "temperature": 0.0,
                        "return_token_ids": True}).encode()
-    req = urllib.request.Request(f"{served['url']}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             choices = json.loads(r.read())["choices"]
     except urllib.error.HTTPError as e:
         pytest.fail(f"completions: HTTP {e.code}: {e.read().decode()[:500]}")
     return [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
+
+
+def _complete(served) -> list:
+    return complete(served["url"], served["model"])
 
 
 def _run(served, *args, dst="infer.yaml"):

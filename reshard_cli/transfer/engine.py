@@ -218,10 +218,12 @@ class Engine:
                     tmp = torch.empty(a.sizes, dtype=region.dtype, device=self.device)
                     self.comm.irecv(tmp, s).wait()
                     region.copy_(tmp)
+                self.bytes_received += a.numel * self._item[t]
         else:
             for s, a in bc.gather:
                 if s == self.rank:
                     self.comm.isend(self._src_view(t, a).contiguous(), bc.root).wait()
+                    self.bytes_sent += a.numel * self._item[t]
 
 
 _DIRECT, _RING, _TEMP = 0, 1, 2  # where a message's bytes are: the tensor itself, the staging ring, a temporary

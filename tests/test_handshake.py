@@ -44,3 +44,24 @@ def test_different_models_name_the_first_difference():
     assert "refit ranks 0 (trainer 0) and 1 (vLLM worker 0) have different models: a.weight: [4, 2] bfloat16 vs " \
            "[4, 4] bfloat16" in str(info.value)
     assert comm.calls == 2
+
+
+def test_the_refit_topology_is_the_same_on_every_rank():
+    """None, a bundled name, a file's YAML text, or `auto`: each rank's domain key (NVML's, or its host's on a
+    CPU) exchanged in the handshake, ranks with equal keys in one domain."""
+    import torch
+
+    from reshard_cli.engines.vllm.handshake import domain_key, refit_topology
+    from reshard_cli.hw import nvml
+    from reshard_cli.layouts.topology import NO_TOPOLOGY
+
+    assert refit_topology("", [None, None]) is NO_TOPOLOGY
+    assert refit_topology("dgx-h100", []).ranks_per_domain == 8
+    assert refit_topology("name: f\ndomains: ['2-3']\n", []).domains == ((2, 3),)
+    found = refit_topology("auto", ["host-a", "host-b", "nvl-1", "nvl-1"])
+    assert found.domain_of(2) == found.domain_of(3) != found.domain_of(0) != found.domain_of(1)
+    assert domain_key("", torch.device("cpu")) is None
+    assert domain_key("auto", torch.device("cpu")) == nvml.rank_domain_key(nvml.discover(), 0)
+    peer = Peer(lambda mine: {**mine, "role": "vLLM worker 0", "domain": "nvl-1"})
+    assert handshake(peer, "trainer 0", MODEL, None, "host-a") == ["host-a", "nvl-1"]
+    assert peer.calls == 1  # the keys ride on the handshake's one exchange

@@ -78,3 +78,10 @@ def test_a_refit_group_whose_store_never_answers_is_one_line():
     assert str(e.value).startswith(f"refit group: rank 1 could not reach rank 0's store at 127.0.0.1:{port} "
                                    f"within 2 s"), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_ranks_that_never_join_are_named_with_their_roles():
+    with pytest.raises(RuntimeFailure) as e:
+        refit_group("127.0.0.1", free_port(), 0, 3, timeout=1, names=lambda r: f"vLLM replica {r - 1} worker 0")
+    assert str(e.value) == ("refit group: rank(s) 1 (vLLM replica 0 worker 0), 2 (vLLM replica 1 worker 0) did not "
+                            "join within 1 s"), str(e.value)

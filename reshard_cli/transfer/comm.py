@@ -207,14 +207,15 @@ class _Work:
 
 def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 300.0,
                 device: torch.device | str = "cpu", abort: Callable[[], str | None] | None = None,
-                stall: float | None = None) -> GroupComm:
+                stall: float | None = None, names: Callable[[int], str] | None = None) -> GroupComm:
     """Join (rank 0: host) a group of `size` processes over a TCP store at host:port, leaving torch.distributed's
     default group, if any, untouched: gloo for CPU tensors, NCCL when `device` is a CUDA device (every rank of
     one group must pass the same kind).
 
     Every rank first checks in and waits for the others, polling `abort` (a reason to give up, or None): a
     peer that will never come (an engine that refused the init call) ends the wait on every rank that
-    checked in, with that reason, instead of a timeout."""
+    checked in, with that reason, instead of a timeout. `names`: what each rank is ("vLLM replica 1 worker 0"),
+    for the line that names the ranks that never came."""
     device = torch.device(device)
     try:
         store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
@@ -227,7 +228,7 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     prefixed = dist.PrefixStore("reshard-refit", store)
     watchdog = Watchdog(store, rank, size, stall=min(timeout / 2, STALL) if stall is None else stall)
     try:
-        _check_in(prefixed, rank, size, timeout, abort)
+        _check_in(prefixed, rank, size, timeout, abort, names)
     except dist.DistError as e:  # rank 0 left (an abort whose reason came too late here), or its host died
         raise RuntimeFailure(f"refit group: rank 0's store at {host}:{port} went away while rank {rank} was "
                              f"joining ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
@@ -257,7 +258,7 @@ def abort_group(host: str, port: int, reason: str, *, rank: int | None = None, t
         pass
 
 
-def _check_in(store, rank: int, size: int, timeout: float, abort) -> None:
+def _check_in(store, rank: int, size: int, timeout: float, abort, names=None) -> None:
     store.set(f"in/{rank}", "1")
     deadline = time.monotonic() + timeout
     while True:
@@ -271,7 +272,8 @@ def _check_in(store, rank: int, size: int, timeout: float, abort) -> None:
             return
         if time.monotonic() > deadline:
             missing = [r for r in range(size) if not store.check([f"in/{r}"])]
-            raise RuntimeFailure(f"refit group: ranks {missing} did not join within {timeout:.0f} s")
+            who = ", ".join(f"{r} ({names(r)})" for r in missing) if names else ", ".join(map(str, missing))
+            raise RuntimeFailure(f"refit group: rank(s) {who} did not join within {timeout:.0f} s")
         time.sleep(0.05)
 
 

@@ -11,6 +11,7 @@ from typing import Mapping
 from reshard_cli.errors import ConfigError
 from reshard_cli.hw import nvml
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
+from reshard_cli.plan.fleet import fleet_of
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.plan.groups import DEFAULT_STAGE_MB
 from reshard_cli.transfer.agree import Failure, one_line
@@ -48,6 +49,21 @@ def handshake(comm, role: str, model, error: str | None, domain: str | None = No
             raise ConfigError(f"refit ranks {r0} ({everyone[r0]['role']}) and {r} ({everyone[r]['role']}) have "
                               f"different models: {_first_difference(m0, m)}", key="model")
     return domains
+
+
+def rank_names(dst):
+    """What each refit rank is, from the engine's layout alone: its workers ("vLLM worker i", or "vLLM replica r
+    worker w" in a fleet), and the trainer's ranks ("trainer r") around them."""
+    fleet = fleet_of(dst)
+
+    def name(rank: int) -> str:
+        if rank not in dst.ranks:
+            return f"trainer {rank}"
+        i = dst.ranks.index(rank)
+        if fleet.replicas == 1:
+            return f"vLLM worker {i}"
+        return f"vLLM replica {fleet.replica_of(i)} worker {i % fleet.per_replica}"
+    return name
 
 
 def domain_key(topology: str, device) -> str | None:

@@ -18,7 +18,8 @@ from reshard_cli import formats
 from reshard_cli.base import checksums
 from reshard_cli.engines.vllm import compat, full
 from reshard_cli.engines.vllm.clients import Call
-from reshard_cli.engines.vllm.handshake import digest, domain_key, handshake, layouts, refit_topology, stage_mb
+from reshard_cli.engines.vllm.handshake import (digest, domain_key, handshake, layouts, rank_names, refit_topology,
+                                                stage_mb)
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
 from reshard_cli.plan.fleet import fleet_figures, fleet_of
@@ -94,7 +95,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         tensors = self._tensors()
         self.group = refit_group(init_info.host, init_info.port, init_info.rank, world,
                                  timeout=init_info.timeout, device=_device_of(tensors),
-                                 abort=lambda: refused or next((f for f in (c.failure() for c in calls) if f), None))
+                                 abort=lambda: refused or next((f for f in (c.failure() for c in calls) if f), None),
+                                 names=rank_names(dst))
         error = _own_error(src, tensors, init_info.rank)
         try:
             stage_mb(init_info.stage_mb, dst)

@@ -31,7 +31,8 @@ import time
 import torch.distributed as dist
 
 from reshard_cli.engines.vllm import compat, cpu_repairs, full
-from reshard_cli.engines.vllm.handshake import digest, domain_key, handshake, layouts, refit_topology, stage_mb
+from reshard_cli.engines.vllm.handshake import (digest, domain_key, handshake, layouts, rank_names, refit_topology,
+                                                stage_mb)
 from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
 from reshard_cli.errors import ConfigError, ReshardError
@@ -73,7 +74,8 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             raise ValueError(f"reshard: {me}: {error}")
         try:
             group = refit_group(init_info.host, init_info.port, self.refit_rank, init_info.world_size,
-                                timeout=init_info.timeout, device=self.device)
+                                timeout=init_info.timeout, device=self.device,
+                                names=rank_names(dst))
         except ReshardError as e:
             raise ValueError(f"reshard: {self.role}: {e}") from None
         try:

@@ -72,7 +72,10 @@ def domain_key(topology: str, device) -> str | None:
     if topology.strip() != "auto":
         return None
     index = device.index if device.type == "cuda" and device.index is not None else 0
-    return nvml.rank_domain_key(nvml.discover(), index)
+    try:
+        return nvml.rank_domain_key(nvml.discover(), index)
+    except ConfigError:  # a GPU NVML cannot place: a domain of its own (the plan stays right, only slower)
+        return f"unplaced-{os.getpid()}"
 
 
 def refit_topology(topology: str, domains: list) -> Topology:
@@ -90,7 +93,10 @@ def refit_topology(topology: str, domains: list) -> Topology:
         path = os.path.join(tmp, "topology.yaml")
         with open(path, "w") as f:
             f.write(text)
-        return load_topology(path)
+        try:
+            return load_topology(path)
+        except ConfigError as e:  # named for what the user gave, not the temporary file
+            raise ConfigError(str(e).replace(path, "topology")) from None
 
 
 def _first_difference(m0: list, m: list) -> str:

@@ -81,6 +81,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         src, dst = layouts(init_info.src, init_info.dst, trainer_size)
         trainer_size = src.size if src is not None else trainer_size
         world = init_info.world_size or trainer_size + dst.size
+        refit_topology(init_info.topology, [])  # a bad topology fails here, on every trainer rank, before any call
         worker_info = {"host": init_info.host, "port": init_info.port, "world_size": world,
                        "src": init_info.src, "dst": init_info.dst, "trainer_size": trainer_size,
                        "timeout": init_info.timeout, "bucket_mb": init_info.bucket_mb, "path": init_info.path,

@@ -104,9 +104,8 @@ class Refit:
                  group: GroupComm | None = None, stage_mb: float | None = None, who: str = ""):
         """`group`: a refit group of its own (`transfer.comm.refit_group`) instead of the default process group,
         for processes whose default group belongs to someone else (an inference engine's workers). Ranks in
-        the layouts, and a DTensor mesh's ranks, are then the group's ranks; the broadcast route needs the
-        default group, so there mode `auto` (the default) plans the reshard path only and other modes than
-        `reshard` are refused.
+        the layouts, and a DTensor mesh's ranks, are then the group's ranks; every mode and topology runs over
+        it (the broadcast route's sub-groups are made on the group's own store).
 
         `stage_mb`: run every refit in agreed groups of whole layers (`plan.groups`), each at most this many MiB
         of checkpoint-format tensors on any destination rank (0: one group). Each group is bound, moved and

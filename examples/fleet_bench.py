@@ -42,7 +42,7 @@ def run(root: Path, replicas: int, mode: str, iters: int) -> dict:
     if doc["wrong"]:
         raise SystemExit(f"{mode}, {replicas} replicas: {doc['wrong']} wrong elements")
     return {"seconds": doc["seconds"], "wire_bytes": doc["wire_bytes"],
-            "indomain_bytes": sum(v["indomain_bytes"] for v in doc["paths"].values())}
+            "forwarded_bytes": sum(v["forwarded_bytes"] for v in doc["paths"].values())}
 
 
 def main() -> int:
@@ -69,7 +69,7 @@ def main() -> int:
     for r in rows:
         f, s, b = r["fleet"], r["per_replica"], r["broadcast"]
         print(f"{r['replicas']:>8}  {f['seconds'] * 1e3:>9.1f} {f['wire_bytes'] / 1e6:>8.1f} "
-              f"{f['indomain_bytes'] / 1e6:>7.1f}  {s['seconds'] * 1e3:>14.1f} {s['wire_bytes'] / 1e6:>8.1f}  "
+              f"{f['forwarded_bytes'] / 1e6:>7.1f}  {s['seconds'] * 1e3:>14.1f} {s['wire_bytes'] / 1e6:>8.1f}  "
               f"{b['seconds'] * 1e3:>12.1f} {b['wire_bytes'] / 1e6:>8.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -22,7 +22,8 @@ def plan_text(s: dict) -> str:
         f"  network wire  {fmt_bytes(s['wire_bytes'])}   minimum {fmt_bytes(s['min_wire_bytes'])}"
         f" ({_ratio(s['wire_bytes'], s['min_wire_bytes'])} of it)   gather->broadcast "
         f"{fmt_bytes(s['broadcast_wire_bytes'])} ({_ratio(s['broadcast_wire_bytes'], s['wire_bytes'])} of this plan)",
-        f"  in-domain     {fmt_bytes(s['indomain_bytes'])}",
+        f"  in-domain     {fmt_bytes(s['indomain_bytes'])} (forwarded between destination ranks "
+        f"{fmt_bytes(s['forwarded_bytes'])})",
         f"  pieces        {s['pieces']} ({s['classes']} tensor classes planned once each)",
         f"  busiest rank  send {fmt_bytes(s['max_rank_send_bytes'])} (ideal {fmt_bytes(s['ideal_rank_send_bytes'])}, "
         f"{_over(s['max_rank_send_bytes'], s['ideal_rank_send_bytes'])}), recv {fmt_bytes(s['max_rank_recv_bytes'])} "

@@ -2,6 +2,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT, SMALL_MODEL, write_pair
@@ -106,7 +107,9 @@ mesh: {dp: 2, tp: 2}
 placements:
   - {match: 'q_proj|up_proj|embed|lm_head', shard: {tp: 0}}
   - {match: 'o_proj|down_proj', shard: {tp: 1}}
-""", "name: fleet\ndomains: ['2-5']\n")  # a 2-rank trainer; two TP2 replicas sharing one NVLink domain
+""")  # a 2-rank trainer; two TP2 replicas
+APART = "name: fleet\ndomains: ['2-5']\n"  # the replicas share one NVLink domain, the trainer has its own
+TOGETHER = "name: colocated\ndomains: ['0,2-5']\n"  # trainer rank 0 shares it: its shards need no network
 
 
 def _fleet(rank, world, src_path, dst_path, topo_path, port):
@@ -140,15 +143,17 @@ def _fleet(rank, world, src_path, dst_path, topo_path, port):
     return out
 
 
-def test_every_mode_over_its_own_group_with_forwarding(tmp_path):
+@pytest.mark.parametrize("topology", [APART, TOGETHER], ids=["apart", "colocated"])
+def test_every_mode_over_its_own_group_with_forwarding(tmp_path, topology):
     """Over a refit group of its own, the plan's forwarding and every route run: the trainer sends each byte
-    once into the replicas' domain (the minimum), the replicas forward exactly the plan's in-domain bytes to each
-    other, and broadcast and hybrid (sub-groups on the group's store) land the same values."""
+    once into the replicas' domain (the minimum), the replicas forward exactly the plan's forwarded bytes to each
+    other, and broadcast and hybrid (sub-groups on the group's store) land the same values. With a trainer rank
+    inside the domain, its shards reach both replicas from there and only the other rank's are forwarded."""
     from dist_util import free_port
 
     (tmp_path / "model.yaml").write_text(SMALL_MODEL)
     paths = []
-    for name, text in zip(("src.yaml", "dst.yaml", "topo.yaml"), FLEET):
+    for name, text in zip(("src.yaml", "dst.yaml", "topo.yaml"), (*FLEET, topology)):
         (tmp_path / name).write_text(text)
         paths.append(str(tmp_path / name))
     results = run_ranks(6, _fleet, *paths, free_port())
@@ -157,11 +162,16 @@ def test_every_mode_over_its_own_group_with_forwarding(tmp_path):
         assert all(ok for _, ok, *_ in rows), (mode, rows)
         stats = rows[0][5]
         sent = {me: s for me, _, s, *_ in rows}
+        forwarded = sum(sent[r] for r in range(2, 6))  # what the replicas sent each other
+        assert forwarded == stats["forwarded_bytes"], (mode, sent, stats)
         if mode == "reshard":
-            assert stats["wire_bytes"] == stats["min_wire_bytes"] == stats["bytes"] > 0, stats
-            assert sent[0] + sent[1] == stats["min_wire_bytes"], (sent, stats)  # each byte once into the domain
-            assert sum(sent[r] for r in range(2, 6)) == stats["indomain_bytes"] > 0, (sent, stats)
+            assert stats["wire_bytes"] == stats["min_wire_bytes"] > 0, stats
+            assert sent[0] + sent[1] == stats["wire_bytes"] + stats["indomain_bytes"] - forwarded, (sent, stats)
             assert sum(r[3] for r in rows) == stats["wire_bytes"] + stats["indomain_bytes"]
+            if topology == APART:  # each byte once into the domain, the rest forwarded inside it
+                assert stats["wire_bytes"] == stats["bytes"] and forwarded == stats["indomain_bytes"] > 0, stats
+            else:  # rank 0's half comes from inside the domain: only rank 1's half crosses, and is split
+                assert 0 < stats["wire_bytes"] < stats["bytes"] and 0 < forwarded < stats["indomain_bytes"], stats
         if mode == "broadcast":
             assert rows[0][4] == "broadcast" and sent[0] + sent[1] > 0
 

@@ -50,6 +50,10 @@ def test_pieces_cover_exactly(tmp_path, pair, topo, mode):
         assert stats["wire_bytes"] == stats["min_wire_bytes"]
     # rank view == global plan restricted to the rank (a fresh plan per rank, as in `reshard run`)
     everything = list(plan.pieces())
+    items = [s.itemsize for s in src.manifest.tensors]
+    # the forwarded bytes the plan reports are its phase-1 pieces (what destination ranks send each other)
+    assert stats["forwarded_bytes"] == sum(p.box.numel * items[p.tensor] for p in everything if p.phase == 1)
+    assert stats["forwarded_bytes"] <= stats["indomain_bytes"]
     bcasts = [b for b in plan.bcasts() if b.root >= 0]
     for r in src.ranks + dst.ranks:
         view = cost.with_auto_routes(Plan(src, dst, topo, mode=mode)).rank_view(r)

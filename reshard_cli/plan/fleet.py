@@ -59,8 +59,9 @@ def fleet_figures(plan, fleet: Fleet, stats: dict | None = None) -> dict:
     """What one refit of the whole fleet moves (`plan`'s own figures) beside N separate refits (one plan in the
     same mode whose domains stop at replica boundaries: forwarding inside each replica only) and the full-tensor
     baseline.
-    `indomain_bytes` are the bytes forwarded inside domains (plus any a source rank sends inside its own
-    domain: none when the trainer shares no domain with the engine). `stats`: the plan's, when at hand."""
+    `forwarded_bytes` are what the destination ranks forward to each other inside domains (the workers'
+    sends); `indomain_bytes` add what a source rank sends inside its own domain and a broadcast's fan-out.
+    `stats`: the plan's, when at hand."""
     stats = stats or plan.stats()
     separate = stats["wire_bytes"]
     if fleet.replicas > 1:
@@ -69,5 +70,6 @@ def fleet_figures(plan, fleet: Fleet, stats: dict | None = None) -> dict:
         separate = alone.stats()["wire_bytes"]
     return {"mode": plan.mode, "replicas": fleet.replicas, "workers_per_replica": fleet.per_replica,
             "wire_bytes": stats["wire_bytes"], "min_wire_bytes": stats["min_wire_bytes"],
-            "indomain_bytes": stats["indomain_bytes"], "separate_refits_wire_bytes": separate,
+            "indomain_bytes": stats["indomain_bytes"], "forwarded_bytes": stats["forwarded_bytes"],
+            "separate_refits_wire_bytes": separate,
             "broadcast_wire_bytes": stats["broadcast_wire_bytes"]}

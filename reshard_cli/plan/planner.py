@@ -76,6 +76,7 @@ class _Loads(NamedTuple):
     send: dict  # rank -> network elements sent
     recv: dict  # rank -> network elements received
     recv_all: int = 0  # elements every destination rank receives (broadcast)
+    forwarded: int = 0  # of `indomain`: what destination ranks forward to each other (phase 1)
 
 
 class _Rotating(NamedTuple):
@@ -440,7 +441,8 @@ def _columns(ents: list, blocks: list, fwd_elems: int, fwd_pieces: int) -> Colum
         for x in s:
             ideal[x] += n / len(s)
     return Columns(fixed_src, fixed_dst, fixed_numel, fixed_kind, rot_sid, rot_dst, rot_numel, rot_key, rot_kind,
-                   senders, blocks, _Loads(wire, indomain + fwd_elems, len(fixed_src) + fwd_pieces, send, recv),
+                   senders, blocks, _Loads(wire, indomain + fwd_elems, len(fixed_src) + fwd_pieces, send, recv, 0,
+                                           fwd_elems),
                    _Rotating(rot_net, rot_in, rot_recv, [(senders[sid], ph, n) for (sid, ph), n in rot_by.items()],
                              len(rot_sid)),
                    ideal)
@@ -534,8 +536,8 @@ class _Tally:
     network bytes sent and received; the bytes every destination rank receives (broadcast); the ideal send."""
 
     def __init__(self):
-        self.per_path = {p: {"tensors": 0, "bytes": 0, "wire_bytes": 0, "indomain_bytes": 0, "pieces": 0}
-                         for p in PATHS}
+        self.per_path = {p: {"tensors": 0, "bytes": 0, "wire_bytes": 0, "indomain_bytes": 0, "forwarded_bytes": 0,
+                             "pieces": 0} for p in PATHS}
         self.send: dict[int, int] = defaultdict(int)
         self.recv: dict[int, int] = defaultdict(int)
         self.recv_all = 0
@@ -546,6 +548,7 @@ class _Tally:
         st = self.per_path[path]
         st["wire_bytes"] += loads.wire * items
         st["indomain_bytes"] += loads.indomain * items
+        st["forwarded_bytes"] += loads.forwarded * items
         st["pieces"] += loads.pieces * count
         send, recv = self.send, self.recv
         for r, v in loads.send.items():
@@ -817,6 +820,9 @@ class Plan:
             "min_wire_bytes": min_wire,
             "broadcast_wire_bytes": bcast_wire,
             "indomain_bytes": per_path["reshard"]["indomain_bytes"] + per_path["broadcast"]["indomain_bytes"],
+            # of those, what destination ranks forward to each other on the reshard path (phase 1); the rest are
+            # a source rank's sends inside its own domain and the broadcast collective's fan-out inside domains
+            "forwarded_bytes": per_path["reshard"]["forwarded_bytes"],
             "pieces": per_path["reshard"]["pieces"] + per_path["broadcast"]["pieces"],
             "classes": len(self.classes.index()[0]),
             "max_rank_send_bytes": max(send.values(), default=0),

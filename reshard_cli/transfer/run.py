@@ -314,7 +314,8 @@ def _path_figures(plan: Plan, stats: dict, seconds: dict, result: Verified) -> d
             continue
         sec = seconds.get(p, 0.0)
         paths[p] = {"tensors": ps[p]["tensors"], "bytes": ps[p]["bytes"], "wire_bytes": ps[p]["wire_bytes"],
-                    "indomain_bytes": ps[p]["indomain_bytes"], "seconds": sec,
+                    "indomain_bytes": ps[p]["indomain_bytes"], "forwarded_bytes": ps[p]["forwarded_bytes"],
+                    "seconds": sec,
                     "gbps": ps[p]["bytes"] / sec / 1e9 if sec else 0.0,
                     "wire_gbps": ps[p]["wire_bytes"] / sec / 1e9 if sec else 0.0,
                     "wrong": wrong_by_path[p] + mism_by_path[p], "checksum_mismatches": mism_by_path[p]}

@@ -106,7 +106,8 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
     if fleet:
         lines.append(f"  fleet: {fleet['replicas']} replica(s) x {fleet['workers_per_replica']} worker(s); the trainer "
                      f"sent {fmt_bytes(doc['wire_bytes'])} (plan {fmt_bytes(fleet['wire_bytes'])}, minimum "
-                     f"{fmt_bytes(fleet['min_wire_bytes'])}); one refit per replica would send "
+                     f"{fmt_bytes(fleet['min_wire_bytes'])}), the workers forwarded {fmt_bytes(doc['forwarded_bytes'])} "
+                     f"(plan {fmt_bytes(fleet['forwarded_bytes'])}); one refit per replica would send "
                      f"{fmt_bytes(fleet['separate_refits_wire_bytes'])}, gather->broadcast "
                      f"{fmt_bytes(fleet['broadcast_wire_bytes'])}")
     lines += [f"  into engine storage: {fmt_bytes(direct)} of {fmt_bytes(landed)} landed bytes in place "

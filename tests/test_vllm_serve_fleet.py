@@ -47,8 +47,8 @@ def test_one_refit_into_two_servers(fleet):
     plan = doc["fleet"]
     assert doc["ok"] and doc["replicas_identical"] and [r["replica"] for r in doc["replicas"]] == [0, 1], doc
     assert doc["wire_bytes"] == plan["min_wire_bytes"] == plan["wire_bytes"] == doc["bytes"], doc  # once
-    assert doc["forwarded_bytes"] == plan["forwarded_bytes"] == plan["indomain_bytes"] > 0, doc  # the rest between
-    # the servers' workers (all of the plan's in-domain bytes: no trainer rank shares the servers' domain)
+    # the rest between the servers' workers: all of the plan's in-domain bytes (no trainer rank shares the domain)
+    assert doc["forwarded_bytes"] == plan["forwarded_bytes"] == plan["indomain_bytes"] > 0, doc
     assert plan["separate_refits_wire_bytes"] == 2 * doc["wire_bytes"], plan  # one refit per server
     assert plan["broadcast_wire_bytes"] > doc["wire_bytes"], plan
     assert doc["landed_bytes"] == 2 * doc["bytes"] and doc["direct_bytes_fraction"] == 1.0, doc

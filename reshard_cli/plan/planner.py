@@ -441,8 +441,8 @@ def _columns(ents: list, blocks: list, fwd_elems: int, fwd_pieces: int) -> Colum
         for x in s:
             ideal[x] += n / len(s)
     return Columns(fixed_src, fixed_dst, fixed_numel, fixed_kind, rot_sid, rot_dst, rot_numel, rot_key, rot_kind,
-                   senders, blocks, _Loads(wire, indomain + fwd_elems, len(fixed_src) + fwd_pieces, send, recv, 0,
-                                           fwd_elems),
+                   senders, blocks, _Loads(wire, indomain + fwd_elems, len(fixed_src) + fwd_pieces, send, recv,
+                                           forwarded=fwd_elems),
                    _Rotating(rot_net, rot_in, rot_recv, [(senders[sid], ph, n) for (sid, ph), n in rot_by.items()],
                              len(rot_sid)),
                    ideal)

@@ -85,3 +85,144 @@ def test_ranks_that_never_join_are_named_with_their_roles():
         refit_group("127.0.0.1", free_port(), 0, 3, timeout=1, names=lambda r: f"vLLM replica {r - 1} worker 0")
     assert str(e.value) == ("refit group: rank(s) 1 (vLLM replica 0 worker 0), 2 (vLLM replica 1 worker 0) did not "
                             "join within 1 s"), str(e.value)
+
+
+def test_an_operation_that_just_finished_is_not_given_up(store):
+    """The store's host (rank 0) may leave right after a successful last round: a wait whose operation has
+    finished returns its result even when the watchdog's next look finds the store gone."""
+    me = Watchdog(store, 0, 2)
+    guard = Guard(me)
+    finished = threading.Event()
+
+    def last_round():
+        finished.wait()
+        return "agreed"
+    real_check = me.check
+
+    def store_gone(stall=None):  # the operation finishes while the watchdog looks, and the store is gone
+        finished.set()
+        import time
+
+        time.sleep(0.05)
+        return Fault("refit rank 0 stopped answering: the group's store, which that rank holds, is gone", (0,))
+    me.check = store_gone
+    assert guard.run(last_round) == "agreed"
+    me.check = real_check
+    guard.close()
+
+
+class _Event:
+    """A stand-in for a CUDA event: complete after `polls` queries (never, with None)."""
+
+    def __init__(self, polls=None):
+        self.polls, self.queries = polls, 0
+
+    def query(self):
+        self.queries += 1
+        return self.polls is not None and self.queries >= self.polls
+
+
+class _Communicator:
+    """A stand-in for an NCCL process group: records its abort."""
+
+    aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_a_cuda_wait_polls_its_event_and_a_fault_aborts_the_communicators(store):
+    me, peer = Watchdog(store, 0, 2), Watchdog(store, 1, 2)
+    guard = Guard(me)
+    event = _Event(polls=5)
+    guard.sync(event)  # completes after five polls, never blocking in the driver
+    assert event.queries == 5
+    nccl = type("ProcessGroupNCCL", (_Communicator,), {})()
+    guard.abortables.append(nccl)
+    threading.Timer(0.3, peer.report, args=(Fault("refit rank 1 (trainer 1): gone", (1,)),)).start()
+    with pytest.raises(GroupBroken) as e:
+        guard.sync(_Event(), what="the transfer")  # a kernel blocked on a dead peer: never completes
+    assert str(e.value) == "refit rank 1 (trainer 1): gone" and nccl.aborted
+    guard.close()
+
+
+def test_a_kernel_error_seen_while_polling_names_this_rank(store):
+    me, _peer = Watchdog(store, 0, 2, interval=0.05), Watchdog(store, 1, 2)
+    me.start()
+
+    class Failing:
+        def query(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    guard = Guard(me)
+    with pytest.raises(GroupBroken) as e:
+        guard.sync(Failing(), what="the transfer")
+    assert "refit rank 1 stopped answering" in str(e.value) or \
+        "refit rank 0: transport error (the transfer: CUDA error" in str(e.value), str(e.value)
+    guard.close()
+
+
+def test_a_rank_blocked_in_a_store_wait_keeps_beating(store):
+    """A rendezvous (a process group's set-up) holds the store client it waits on: the heartbeat has a client
+    of its own, so its peers never name a rank that is only waiting."""
+    me, peer = Watchdog(store, 0, 2, stall=0.6), Watchdog(store, 1, 2, stall=0.6, interval=0.05)
+    peer.start()
+    blocked = threading.Thread(target=lambda: _quiet(store.wait, ["never-set"]), daemon=True)
+    blocked.start()  # the shared client is now held by a wait that does not end
+    import time
+
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        assert me.check() is None
+        time.sleep(0.1)
+    peer.close()
+
+
+def _quiet(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def test_a_closed_group_frees_its_port_and_threads():
+    """close() ends a refit group for good: the same host:port takes the next group at once, and no
+    helper or heartbeat thread is left."""
+    port = free_port()
+    before = threading.active_count()
+    for _ in range(3):
+        group = refit_group("127.0.0.1", port, 0, 1, timeout=5)
+        group.barrier()
+        group.close()
+    assert threading.active_count() == before
+
+
+def test_a_collective_paired_with_another_step_names_the_rank():
+    from reshard_cli.transfer.comm import _tagged, _untag
+
+    mine, theirs = _tagged("group 2 prepared", "ok"), _tagged("update numbers", {"worker": 3})
+    with pytest.raises(GroupBroken) as e:
+        _untag([mine, theirs], "group 2 prepared", 0)
+    assert str(e.value).startswith("refit rank 1 is in 'update numbers' while rank 0 is in 'group 2 prepared'")
+    with pytest.raises(GroupBroken) as e:
+        _untag([mine, ("error", 1, "")], "group 2 prepared", 0)
+    assert "refit rank 1 is in a collective that is not reshard's" in str(e.value)
+
+
+def test_broken_groups_on_one_port_leave_no_descriptor_or_thread():
+    """A group given up after a fault, closed, and made again on the same port, eight times: no thread and no
+    file descriptor is left over (the error's frames refer back to the group; closing collects them)."""
+    import os
+
+    from reshard_cli.transfer.watchdog import GroupBroken as Broken
+
+    port = free_port()
+    counts = []
+    for _ in range(8):
+        group = refit_group("127.0.0.1", port, 0, 1, timeout=5)
+        group.barrier()
+        group.new_group([0])
+        with pytest.raises(Broken):
+            group.fail("refit rank 0: simulated", (0,))
+        group.close()
+        counts.append((threading.active_count(), len(os.listdir("/proc/self/fd"))))
+    assert len(set(counts[1:])) == 1, counts

@@ -15,6 +15,7 @@ own, so no global state of torch.distributed is touched.
 """
 from __future__ import annotations
 
+import gc
 import pickle
 import time
 from functools import partial
@@ -25,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, RuntimeFailure
-from reshard_cli.transfer.watchdog import Fault, GroupBroken, Guard, Watchdog
+from reshard_cli.transfer.watchdog import Fault, GroupBroken, Guard, Watchdog, _end, stale
 
-STALL = 30.0  # seconds without a heartbeat after which a refit group's peer is named as stalled (at most; half
-# the group's timeout when that is shorter, so the watchdog speaks before the transport times out)
+STALL = 10.0  # seconds without a heartbeat after which a refit group's peer is named as stalled (at most; half
+# the group's timeout when that is shorter, so the watchdog speaks before the transport times out); heartbeats
+# come every second on a store client of their own, so a busy rank still beats
 
 
 class _Comm:
@@ -37,6 +39,7 @@ class _Comm:
     rank (`GroupBroken`), instead of at the timeout."""
 
     guard: Guard | None = None
+    device = torch.device("cpu")  # where the group's collectives run (cuda: NCCL)
 
     def run(self, fn, *args):
         """A blocking call on the group (a wait, a collective), guarded when the group has a watchdog."""
@@ -46,13 +49,53 @@ class _Comm:
         return _Work(self, op(*args) if self.guard is None else self.guard.post(op, *args))
 
     def wait(self, work) -> None:
-        self.run(work.wait)
+        """The end of a message or collective. On CUDA (NCCL) a wait only orders the current stream after it;
+        the host blocks in `synchronize`, where the watchdog polls."""
+        if self.device.type == "cuda":
+            work.wait()
+        else:
+            self.run(work.wait)
+
+    def synchronize(self, device=None, *, what: str = "the transfer") -> None:
+        """Block the host until the work queued on `device`'s current stream is done (CUDA; nothing on CPU):
+        polled under the watchdog, so a dead peer's kernel ends the wait with its line, not NCCL's timeout."""
+        device = torch.device(device) if device is not None else self.device
+        if device.type != "cuda":
+            return
+        if self.guard is None:
+            torch.cuda.synchronize(device)
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        self.guard.sync(event, what=what)
 
     def fail(self, line: str, ranks: tuple = ()):
         """Give the group up with `line` (told to every other rank first, with a watchdog); raises GroupBroken."""
         if self.guard is None:
             raise GroupBroken(line, ranks)
         self.guard.fail(Fault(line, tuple(ranks)))
+
+    def note(self, key: str, value: str) -> None:
+        """Record `value` under `key` on the group's store (with a watchdog: its own client), where every rank
+        can read it even after the group broke; nothing without one."""
+        if self.guard is not None:
+            try:
+                self.guard.watchdog.store.set(f"note/{key}", value)
+            except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
+                pass
+
+    def read(self, keys: list[str]) -> list[str | None] | None:
+        """What `note` recorded under `keys` (None for a key never recorded); None without a store."""
+        if self.guard is None or self.guard.watchdog.store is None:
+            return None
+        store = self.guard.watchdog.store
+        out: list[str | None] = []
+        try:
+            for key in keys:
+                out.append(store.get(f"note/{key}").decode() if store.check([f"note/{key}"]) else None)
+        except Exception:  # noqa: BLE001 - the store is gone
+            return None
+        return out
 
     def name_ranks(self, roles: list[str]) -> None:
         """What each rank is ("trainer 0", "vLLM worker 1"), for the watchdog's lines."""
@@ -86,13 +129,14 @@ class WorldComm(_Comm):
     def barrier(self) -> None:
         self.run(dist.barrier)
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj, *, what: str = "") -> list:
         out: list = [None] * self.size
-        self.run(dist.all_gather_object, out, obj)
-        return out
+        self.run(dist.all_gather_object, out, _tagged(what, obj))  # (on NCCL it reads sizes on the host: its
+        return _untag(out, what, self.rank)  # helper thread blocks there, the caller polls the watchdog)
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         self.run(partial(dist.all_reduce, t, op=dist.ReduceOp.MAX))
+        self.synchronize(t.device, what="a collective")
 
     def watch(self, guard: Guard | None) -> None:
         """Guard the default group's waits with `guard` (None: stop)."""
@@ -111,6 +155,8 @@ class GroupComm(_Comm):
         self.guard = guard
         self._store, self.timeout = store, timeout  # the store sub-groups rendezvous on
         self._subgroups: dict[tuple, SubGroup | None] = {}  # member ranks -> this rank's sub-group (None: not in it)
+        if guard is not None and pg is not None:
+            guard.abortables.append(pg)
 
     @property
     def rank(self) -> int:
@@ -127,9 +173,18 @@ class GroupComm(_Comm):
         return self._work(self.pg.recv, [t], peer, 0)
 
     def close(self) -> None:
-        """Stop the heartbeat (the group is not used again)."""
+        """End the group for good: its process groups and sub-groups shut down (NCCL's aborted), the heartbeat
+        and helper threads stopped and joined, and every reference to the store dropped, so rank 0's store
+        server stops and its port is free for the next group (the same host:port may be used again at once)."""
+        broken = self.guard is not None and self.guard.broken is not None
         if self.guard is not None:
             self.guard.close()
+        for pg in [self.pg, *(s.pg for s in self._subgroups.values() if s is not None)]:
+            if pg is not None:
+                _end(pg)
+        self.pg, self._store, self._subgroups, self.guard = None, None, {}, None
+        if broken:  # the error's frames refer back to the group (a cycle): collected now, so its sockets and
+            gc.collect()  # rank 0's store close here, not at some later collection
 
     def new_group(self, ranks: list[int]) -> "SubGroup | None":
         """A sub-group of `ranks` (refit ranks). Collective in the torch.distributed sense: every rank calls it
@@ -146,6 +201,8 @@ class GroupComm(_Comm):
         if self._rank in members:
             store = dist.PrefixStore(prefix, self._store)
             sub = SubGroup(self.run(self._make_pg, store, members.index(self._rank), len(members)), members)
+            if self.guard is not None:
+                self.guard.abortables.append(sub.pg)
         self._subgroups[members] = sub
         return sub
 
@@ -166,26 +223,56 @@ class GroupComm(_Comm):
         flag = torch.zeros(1, device=self.device)
         self.wait(self.pg.allreduce([flag]))
 
-    def all_gather_object(self, obj) -> list:
-        """Every rank's `obj` (pickled, as torch's own all_gather_object does, between this job's processes)."""
+    def all_gather_object(self, obj, *, what: str = "") -> list:
+        """Every rank's `obj` (pickled, as torch's own all_gather_object does, between this job's processes).
+        `what`: the step it belongs to; a peer in another step (its program went another way after a failure)
+        is named, instead of its object being taken for this step's."""
         dev = self.device
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(pickle.dumps(_tagged(what, obj))), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self._size)]
         self.wait(self.pg.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64, device=dev)]))
+        self.synchronize(what="a collective")  # the sizes are read on the host
         longest = int(max(s.item() for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
         padded[:data.numel()] = data.to(dev)
         outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self._size)]
         self.wait(self.pg.allgather([outs], [padded]))
-        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]  # noqa: S301
+        self.synchronize(what="a collective")
+        return _untag([pickle.loads(o[:int(s.item())].cpu().numpy().tobytes())  # noqa: S301
+                       for o, s in zip(outs, sizes)], what, self._rank)
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         moved = t.to(self.device)
         self.wait(self.pg.allreduce([moved], opts))
+        self.synchronize(what="a collective")
         if moved is not t:
             t.copy_(moved)
+
+
+_TAG = "reshard-collective"
+
+
+def _tagged(what: str, obj):
+    return (_TAG, what, obj)
+
+
+def _untag(gathered: list, what: str, me: int) -> list:
+    """The objects of a tagged all_gather_object; a rank whose object is not this step's (another step of
+    reshard's, or a collective of the program's own that paired with this one) is one line, not a failed
+    unpacking further on."""
+    out = []
+    for r, item in enumerate(gathered):
+        if isinstance(item, tuple) and len(item) == 3 and item[0] == _TAG and item[1] == what:
+            out.append(item[2])
+            continue
+        theirs = (f"'{item[1] or 'a refit collective'}'" if isinstance(item, tuple) and len(item) == 3 and
+                  item[0] == _TAG else "a collective that is not reshard's")
+        raise GroupBroken(f"refit rank {r} is in {theirs} while rank {me} is in '{what or 'a refit collective'}': "
+                          f"the ranks' programs went different ways (a rank that failed earlier went on); "
+                          f"the group cannot be used", (r,))
+    return out
 
 
 class SubGroup:
@@ -217,27 +304,62 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     checked in, with that reason, instead of a timeout. `names`: what each rank is ("vLLM replica 1 worker 0"),
     for the line that names the ranks that never came."""
     device = torch.device(device)
-    try:
-        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False)
-    except (dist.DistStoreError, RuntimeError) as e:  # a port in use, or no rank 0 listening in time
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        where = "could not listen on" if rank == 0 else "could not reach rank 0's store at"
-        raise RuntimeFailure(f"refit group: rank {rank} {where} {host}:{port} within {timeout:.0f} s "
-                             f"({first})") from None
+    store = _connect(host, port, rank, size, timeout)
     prefixed = dist.PrefixStore("reshard-refit", store)
     watchdog = Watchdog(store, rank, size, stall=min(timeout / 2, STALL) if stall is None else stall)
     try:
         _check_in(prefixed, rank, size, timeout, abort, names)
     except dist.DistError as e:  # rank 0 left (an abort whose reason came too late here), or its host died
+        watchdog.close()
         raise RuntimeFailure(f"refit group: rank 0's store at {host}:{port} went away while rank {rank} was "
                              f"joining ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
                              f"; the group was given up") from None
+    except BaseException:
+        watchdog.close()
+        raise
     comm = GroupComm(None, rank, size, device if device.type == "cuda" else "cpu",
                      guard=Guard(watchdog, device if device.type == "cuda" else None), store=store, timeout=timeout)
-    comm.pg = comm._make_pg(prefixed, rank, size)  # the store (on rank 0, its server) lives as long as the group
+    comm.name_ranks([names(r) if names else "" for r in range(size)])
     watchdog.start()
+    try:  # the rendezvous is guarded too: a store that goes away under it (rank 0 failed) ends it in seconds
+        comm.pg = comm.run(comm._make_pg, prefixed, rank, size)  # the store (on rank 0, its server) lives as
+    except BaseException:  # long as the group
+        comm.close()
+        raise
+    comm.guard.abortables.append(comm.pg)
     return comm
+
+
+def _connect(host: str, port: int, rank: int, size: int, timeout: float):
+    """The group's store: rank 0 serves it, the others connect. A store that still answers for a group that is
+    over (closed or given up; its host has not stopped it yet) is left, and the connection tried again, until
+    `timeout`: the same host:port serves one group after another."""
+    deadline = time.monotonic() + timeout
+    collected = False
+    while True:
+        left = max(deadline - time.monotonic(), 1.0)
+        try:
+            store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=left),
+                                  wait_for_workers=False)
+        except (dist.DistStoreError, RuntimeError) as e:  # a port in use, or no rank 0 listening in time
+            if rank == 0 and not collected and "EADDRINUSE" in str(e):  # this process's own earlier group,
+                collected = True  # kept alive only by a reference cycle (an exception's frames): collect it
+                gc.collect()
+                continue
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            where = "could not listen on" if rank == 0 else "could not reach rank 0's store at"
+            raise RuntimeFailure(f"refit group: rank {rank} {where} {host}:{port} within {timeout:.0f} s "
+                                 f"({first})") from None
+        try:
+            if rank == 0 or not stale(store):
+                return store
+        except dist.DistError:  # it went away as this rank looked: the next one is the new group's
+            pass
+        del store
+        if time.monotonic() > deadline:
+            raise RuntimeFailure(f"refit group: rank {rank} found only a finished group's store at {host}:{port} "
+                                 f"within {timeout:.0f} s (its host never served a new one)")
+        time.sleep(0.2)
 
 
 ABORT_GRACE = 10.0  # seconds rank 0 keeps its store up after an abort, for peers still on their way to read it

@@ -4,19 +4,27 @@ A collective or a message blocked on a peer that will never answer waits for the
 then says only "Connection closed by peer [ip]:port" or "Timed out waiting"); a rank that raised leaves its
 peers waiting for bytes that will not come. So a refit group carries a watchdog over its own TCP store:
 
-  heartbeat   every rank's daemon thread adds 1 to `hb/<rank>` every `interval` seconds. A process that is
-              stopped (SIGSTOP), killed, or hung with the interpreter locked stops counting.
+  heartbeat   every rank's daemon thread adds 1 to `hb/<rank>` every `interval` seconds, over a store client of
+              its own (a TCPStore client holds its lock for a whole `wait`, so a beat sharing one with a
+              rendezvous would stop while the rendezvous waits, and a healthy rank would be named); a beat
+              that fails is retried until the group closes. A process that is stopped (SIGSTOP), killed, or
+              hung with the interpreter locked stops counting.
   faults      a rank that fails on its own (an exception mid-transfer) writes its one-line error under
               `fault/<n>` before it gives up; so does a rank that found a stalled peer.
   waits       every wait on the group's traffic runs on a helper thread while the caller polls the store
-              (`check`) twice a second: the first reported fault, or a peer whose count has not moved for
-              `stall` seconds, ends the wait with that line (`GroupBroken`). A transport error (a dead peer's
+              (`check`, on a client of its own too) twice a second: the first reported fault, or a peer whose
+              count has not moved for `stall` seconds, ends the wait with that line (`GroupBroken`). A transport error (a dead peer's
               closed connection) is explained the same way: the peer whose count stopped within a few
               seconds is named, not the socket. The store itself lives in refit rank 0's process: when it is
               gone, that rank is named.
 
-After a `GroupBroken` the group is not used again (its helper thread may stay blocked in the transport until
-the group's timeout, then ends); the next refit joins a new group.
+  CUDA        an NCCL `wait` only orders streams: the host blocks later, in a synchronize or a host read of a
+              device value. Those run as `Guard.sync`: an event recorded on the stream is polled (never waited
+              on blindly), the watchdog checked between polls; a fault aborts the group's communicators
+              (`Guard.abortables`: NCCL's abort), so no kernel stays blocked and the process survives.
+
+After a `GroupBroken` the group is not used again: its process groups are shut down (NCCL aborted), which
+also ends a helper thread still blocked in the transport; the next refit joins a new group.
 
 The same watchdog runs over a torchrun job's own store in `reshard run` (the launcher's `process_group`), where
 the waits are the default group's (`comm.WorldComm`).
@@ -71,9 +79,10 @@ class Fault:
 
 
 class Watchdog:
-    def __init__(self, store, rank: int, size: int, *, interval: float = 1.0, stall: float = 30.0,
+    def __init__(self, store, rank: int, size: int, *, interval: float = 1.0, stall: float = 10.0,
                  label: str = "refit rank"):
-        self.store = dist.PrefixStore("reshard-watch", store)
+        self._base = store
+        self.store = dist.PrefixStore("reshard-watch", _own_client(store))  # checks and reports
         self.rank, self.size, self.interval, self.stall, self.label = rank, size, interval, stall, label
         self.roles: list[str] = [""] * size  # what each rank is, once the group knows ("trainer 0")
         now = time.monotonic()
@@ -83,24 +92,35 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._beat, name=f"reshard-heartbeat-{self.rank}", daemon=True)
+        beat_store = dist.PrefixStore("reshard-watch", _own_client(self._base))  # never shared: see above
+        self._thread = threading.Thread(target=self._beat, args=(beat_store,), name=f"reshard-heartbeat-{self.rank}",
+                                        daemon=True)
         self._thread.start()
         _LIVE.add(self)
 
-    def _beat(self) -> None:
+    def _beat(self, store) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.store.add(f"hb/{self.rank}", 1)
-            except Exception:  # noqa: BLE001 - the store is gone (rank 0 died): the waits name it
-                return
+                store.add(f"hb/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - a slow or lost store: tried again until the group closes (a
+                pass  # store that is gone is named by the waits)
 
     def close(self) -> None:
         """Stop the heartbeat, and wait for its thread: a process that exits while it is inside a store call
-        can abort in C++."""
+        can abort in C++. The store clients are dropped with the watchdog."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
         self._thread = None
+        self._base = None  # the store this group was made on: its server (rank 0) stops with the last reference
+
+    def mark_closed(self) -> None:
+        """Say on the store that this group is over: a rank joining the next group on the same host:port while
+        this store still answers (its host has not closed it yet) knows it for a stale one."""
+        try:
+            self.store.set("closed", "1")
+        except Exception:  # noqa: BLE001 - the store is gone: nobody can join it
+            pass
 
     def who(self, rank: int) -> str:
         role = self.roles[rank] if rank < len(self.roles) else ""
@@ -156,14 +176,32 @@ class Watchdog:
         return Fault(f"{self.who(self.rank)}: transport error ({first})", (self.rank,))
 
 
+def _own_client(store):
+    """A client connection of its own to `store`'s server (TCPStore.clone), where the store can make one."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):  # a store kind without clients of its own
+        return store
+
+
+def stale(store) -> bool:
+    """Whether `store` belongs to a group that is over (closed, or given up after a fault): what a rank finds
+    when it joins a new group on the same host:port before the old group's host has stopped its store."""
+    watch = dist.PrefixStore("reshard-watch", store)
+    return bool(watch.check(["closed"])) or watch.add("faults", 0) > 0
+
+
 class Guard:
     """The waits of one group, ended early by its watchdog: each blocking call runs on a helper thread while
-    the caller polls the watchdog; the first fault raises GroupBroken here, and every later call at once."""
+    the caller polls the watchdog; the first fault raises GroupBroken here, and every later call at once.
+    `abortables`: the group's process groups, ended when the group is given up (NCCL's abort, gloo's
+    shutdown), so nothing stays blocked in them."""
 
     def __init__(self, watchdog: Watchdog, device=None):
         self.watchdog = watchdog
         self.device = device  # a CUDA device: the helper thread works on it too
         self.broken: GroupBroken | None = None
+        self.abortables: list = []
         self._calls: queue.SimpleQueue | None = None  # to the helper thread (a daemon: a process may exit while
         # it is still blocked in the transport of a group given up)
         self._helper_thread: threading.Thread | None = None
@@ -200,12 +238,32 @@ class Guard:
                 return done.result(timeout=POLL)
             except FutureTimeout:
                 fault = self.watchdog.check()
-                if fault:
-                    self.fail(fault)
+                if fault and not done.done():  # an operation that has just finished is not given up: a peer
+                    self.fail(fault)  # (rank 0, the store's host) may leave right after the last round
             except GroupBroken:
                 raise
             except Exception as e:  # noqa: BLE001 - the transport's own error: whose fault was it?
                 self.fail(self.watchdog.cause(e))
+
+    def sync(self, event, *, what: str = "a CUDA stream") -> None:
+        """Wait for a CUDA `event` (recorded after the work to wait for: `torch.cuda.Event.record()`; anything
+        with `query()`) by polling it, never blocking in the driver: between polls the watchdog is checked,
+        and a fault gives the group up (aborting its communicators, so the kernels blocked on a dead peer
+        end). `what`: the work, for the line when this rank is the one that fails."""
+        if self.broken is not None:
+            raise self.broken
+        pause = 1e-5
+        while True:
+            try:
+                if event.query():
+                    return
+            except Exception as e:  # noqa: BLE001 - an asynchronous CUDA/NCCL error surfaced by the query
+                self.fail(self.watchdog.cause(RuntimeError(f"{what}: {e}")))
+            fault = self.watchdog.check() if pause >= POLL else None
+            if fault:
+                self.fail(fault)
+            time.sleep(pause)
+            pause = min(pause * 2, POLL)
 
     def post(self, op, *args):
         """Start a message; a transport that refuses it (a peer's closed connection) is explained like a
@@ -222,16 +280,37 @@ class Guard:
         if self.broken is None:
             self.broken = GroupBroken(fault.line, fault.ranks)
             if report:
-                self.watchdog.report(fault)
+                self.watchdog.report(fault)  # first: a peer that sees the connections close reads why
+            self.abort()
             if self._calls is not None:
-                self._calls.put(None)  # its thread ends after the call it may still be blocked in
+                self._calls.put(None)  # its thread ends after the call it was blocked in (aborted above)
         raise self.broken
 
+    def abort(self) -> None:
+        """End the group's process groups: NCCL's communicators aborted, gloo's connections closed, so a call
+        still blocked in one of them returns."""
+        for pg in self.abortables:
+            _end(pg)
+        self.abortables = []
+
     def close(self) -> None:
-        """Stop the heartbeat and the idle helper thread (one blocked in a group given up is left to its
-        transport's timeout)."""
+        """Stop the heartbeat and the helper thread, ending the group's process groups first (a helper thread
+        blocked in one of them returns)."""
+        self.watchdog.mark_closed()
         self.watchdog.close()
-        if self._calls is not None and self.broken is None:
-            self._calls.put(None)
-            self._helper_thread.join(timeout=5)
+        self.abort()
+        if self._calls is not None:
+            if self.broken is None:
+                self._calls.put(None)
+            self._helper_thread.join(timeout=1 if self.broken is not None else 5)  # one left blocked in a
+            # rendezvous on a store that went away cannot be ended: it is a daemon, and holds nothing
         self._calls = self._helper_thread = None
+
+
+def _end(pg) -> None:
+    """Shut a process group down for good (NCCL: abort its communicators; gloo: close its connections)."""
+    name = "abort" if "NCCL" in type(pg).__name__ else "shutdown"
+    try:
+        getattr(pg, name)()
+    except Exception:  # noqa: BLE001 - already ended, or a version without it: nothing more to do
+        pass

@@ -183,3 +183,27 @@ def test_own_group_plans_with_a_topology():
     assert Refit(role="idle", group=GroupComm(None, 0, 1)).mode == "auto"  # every route runs over a refit group
 
 
+
+
+def _setup_fails_on_one_rank(rank, world, src_path, dst_path):
+    from reshard_cli.errors import ReshardError
+    from reshard_cli.transfer.live import Refit
+
+    try:  # rank 1's topology file cannot be read: its Refit fails, and its program goes on to a collective
+        refit = Refit(role="src" if rank < 2 else "dst", src=src_path, dst=dst_path,
+                      topology="missing-topology.yaml" if rank == 1 else None)
+        refit({})
+        return "no error"
+    except ReshardError as e:
+        return str(e)
+
+
+def test_a_rank_whose_setup_failed_is_named_at_the_first_collective(tmp_path):
+    """Over the default group (no watchdog): a rank whose Refit(...) raised tells its peers in their first
+    collective, so every rank ends with a line naming it instead of pairing collectives at random."""
+    src, dst = write_pair(tmp_path, "tp2_to_tp3")
+    results = run_ranks(5, _setup_fails_on_one_rank, str(src), str(dst), timeout=60)
+    assert "missing-topology.yaml" in results[1], results[1]
+    for rank in (0, 2, 3, 4):
+        assert results[rank].startswith("refit rank 1: its set-up failed:"), results[rank]
+        assert "missing-topology.yaml" in results[rank], results[rank]

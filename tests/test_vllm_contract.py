@@ -56,11 +56,15 @@ SYMBOLS: list[tuple[str, str, tuple | None]] = [
     ("vllm", "LLM.update_weights", ((X,), ())),
     ("vllm", "LLM.finish_weight_update", ((X,), ())),
     ("vllm", "LLM.reset_prefix_cache", ((), ())),
+    ("vllm", "LLM.shutdown_weight_transfer_engine", ((), ())),
+    ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient.__init__", ((X,), ("timeout",))),
     # layerwise reload: what the worker engine stages, processes and finalizes with
     ("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload", ((X,), ())),
     ("vllm.model_executor.model_loader.reload", "finalize_layerwise_reload", ((X, X), ())),
     ("vllm.model_executor.model_loader.reload.layerwise", "get_layerwise_info", ((X,), ())),
-    ("vllm.model_executor.model_loader.reload.layerwise", "_layerwise_process", ((X, X), ())),
+    ("vllm.model_executor.model_loader.reload.layerwise", "_get_original_loader", ((X,), ())),
+    ("vllm.model_executor.model_loader.reload.layerwise", "_copy_and_restore_kernel_tensors", ((X, X), ())),
+    ("vllm.model_executor.model_loader.reload.utils", "get_layer_tensors", ((X,), ())),
     ("vllm.model_executor.model_loader.reload.meta", "materialize_layer", ((X, X), ())),
     # post-load processing, and the MoE experts' own packing step (cpu_repairs)
     ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase.process_weights_after_loading",
@@ -171,3 +175,38 @@ def test_importing_the_trainer_api_registers_the_backend():
     root = Path(__file__).resolve().parents[1]  # this checkout's reshard_cli, whatever is installed
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
     assert "ERROR reshard: pass source=" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_vllm_http_client_gets_the_prefix_cache_reset_and_pause_through_its_base_url():
+    """vLLM's own `HTTPVLLMWeightSyncClient` has no method for the prefix cache or for pausing; the trainer
+    engine reaches those routes through the client's `base_url` (a local server records what it gets)."""
+    import http.server
+    import threading
+
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from reshard_cli.engines.vllm.clients import control
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{server.server_port}/", timeout=10)
+        assert control(client, "reset_prefix_cache") and control(client, "pause", "mode=keep")
+        assert control(client, "resume") and control(client, "shutdown_weight_transfer_engine")
+        assert not control(object(), "pause")  # no method, no base_url: nothing to reach
+    finally:
+        server.shutdown()
+    assert seen == ["/reset_prefix_cache", "/pause?mode=keep", "/resume", "/shutdown_weight_transfer_engine"]

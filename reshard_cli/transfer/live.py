@@ -53,17 +53,25 @@ class RefitStats:
 
 
 class Stage:
-    """Where a destination rank's bytes land when a refit runs in agreed groups (`stage_mb`): each group's
-    buffers are opened just before its bytes arrive, and committed only once every rank of the refit has
-    received and verified that group; on any rank's failure, aborted everywhere. An engine implements it to
-    convert a group into its own format and release the staging before the next group arrives."""
+    """Where a destination rank's bytes land when a refit runs in agreed groups (`stage_mb`), in the steps of a
+    two-phase commit: each group's buffers are opened just before its bytes arrive; once they arrived and
+    were verified, the group is prepared (everything that can fail: an engine's conversion into its own
+    format, every allocation), and committed only once every rank of the refit has said that its group
+    arrived intact and was prepared. The commit only swaps in what was prepared: it must not fail. On any
+    rank's failure before it, the group is aborted everywhere. An engine implements it to convert a group
+    into its own format and release the staging before the next group arrives."""
 
     def open(self, group: Group, layout: Layout) -> Mapping[str, torch.Tensor]:
         """Buffers for the group's tensors (`layout` holds only them), keyed by checkpoint name."""
         raise NotImplementedError
 
+    def prepare(self, group: Group) -> None:
+        """The group arrived intact here: make it ready to swap in, without touching what the engine computes
+        with (may fail: the failure is agreed like a transfer's)."""
+
     def commit(self, group: Group) -> None:
-        """Every rank has the group, verified: make it what the engine computes with."""
+        """Every rank has the group, verified and prepared: make it what the engine computes with (must not
+        fail)."""
 
     def abort(self, group: Group) -> None:
         """Some rank failed on this group: what the engine computes with stays as it was."""
@@ -79,6 +87,8 @@ class RefitFailed(RuntimeFailure):
         self.committed, self.groups, self.exit_code = committed, groups, exit_code
         self.broken = broken  # the refit group is given up (a rank died, stalled or failed mid-transfer)
         self.ranks = ranks  # with `broken`: the refit ranks the line names
+        self.held: dict[int, int] = {}  # destination rank -> groups it committed in this refit, as it recorded
+        # them on the group's store (`Refit.held`), where a rank could record
 
     @property
     def partial(self) -> bool:
@@ -118,11 +128,22 @@ class Refit:
         if group is None and not dist.is_initialized():
             raise ConfigError("call torch.distributed.init_process_group before creating a Refit, or pass group=",
                               key="Refit")
-        if stage_mb is not None and stage_mb < 0:
-            raise ConfigError(f"stage_mb must be 0 (one group) or a budget in MiB, not {stage_mb}", key="stage_mb")
         self.comm = group if group is not None else WORLD
         self.role, self.who = role, who
         self.rank = self.comm.rank
+        self.calls = 0  # refits run (the key of what a destination records as committed)
+        try:
+            self._configure(src, dst, topology, mode, bucket_mb, reshard_match, device, stage_mb)
+        except ReshardError as e:  # the peers' first collective is set-up's: they learn it there and name this
+            try:  # rank, instead of pairing with whatever this program does next
+                self.comm.all_gather_object({"failed": str(e), "code": e.exit_code}, what=_SETUP)
+            except ReshardError:
+                pass  # the group broke meanwhile: this rank's own error says more
+            raise
+
+    def _configure(self, src, dst, topology, mode, bucket_mb, reshard_match, device, stage_mb) -> None:
+        if stage_mb is not None and stage_mb < 0:
+            raise ConfigError(f"stage_mb must be 0 (one group) or a budget in MiB, not {stage_mb}", key="stage_mb")
         if isinstance(src, (str, Path)) and isinstance(dst, (str, Path)):
             self._src, self._dst = load_pair(src, dst)  # dst ranks default to right after src
         else:
@@ -159,17 +180,19 @@ class Refit:
         t0 = time.perf_counter()
         sent = received = 0
         good = True
+        self.calls += 1
+        self._record_held(0)
         for i, part in enumerate(self.parts):
             if self.stage_bytes is None:
                 self._bind(part, tensors, agreed=part.engine is None)
-                self._move(part)
+                self._told("the transfer", self._move, part)
                 if verify_checksums:
-                    good &= self._verify(part)
+                    good &= self._told("the verification", self._verify, part)
             else:
                 good &= self._agreed_group(i, part, tensors, verify_checksums, stage)
             sent, received = sent + part.engine.bytes_sent, received + part.engine.bytes_received
             if len(self.parts) > 1:
-                part.engine.release_staging()  # one group's staging at a time
+                self._told("releasing the staging", part.engine.release_staging)  # one group's staging at a time
         held = verify_checksums and self.rank in self.plan.dst.ranks
         return RefitStats(time.perf_counter() - t0, sent, good if verify_checksums else None, received,
                           groups=len(self.parts),
@@ -177,9 +200,45 @@ class Refit:
 
     # ------------------------------------------------------------------------------------------ set-up
 
+    def _told(self, what: str, fn, *args):
+        """`fn(*args)`, whose failure (any exception) is told to every rank of the group first: a peer waiting
+        on this rank's bytes names it within a second instead of at its stall limit. `what`: the step, for
+        the line."""
+        try:
+            return fn(*args)
+        except GroupBroken:
+            raise
+        except Exception as e:  # noqa: BLE001
+            self.comm.fail(f"{self._me()}: {what} failed ({type(e).__name__}: {e})", (self.rank,))
+
+    def _record_held(self, committed: int) -> None:
+        """A destination rank records on the group's store how many groups of this refit it has committed, so
+        the trainer's report says what every rank actually holds, even after the group broke."""
+        if self.rank in (self.plan.dst.ranks if self.plan is not None else ()):
+            self.comm.note(f"held/{self.rank}", f"{self.calls}:{committed}")
+
+    def held(self) -> dict[int, int]:
+        """Every destination rank's groups committed in this refit, as recorded (a rank that recorded nothing
+        for it, dead before its first group, holds none of it); {} without a store to read."""
+        if self.plan is None:
+            return {}
+        got = self.comm.read([f"held/{r}" for r in self.plan.dst.ranks])
+        if got is None:
+            return {}
+        out = {}
+        for r, raw in zip(self.plan.dst.ranks, got):
+            call, _, n = (raw or "").partition(":")
+            out[r] = int(n) if call == str(self.calls) else 0
+        return out
+
     def _setup(self, tensors: Mapping[str, torch.Tensor]) -> None:
         specs = {name: _spec_of(name, x) for name, x in tensors.items()}
-        gathered = self.comm.all_gather_object((self.role, specs))
+        gathered = self.comm.all_gather_object((self.role, specs), what=_SETUP)
+        failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, dict) and "failed" in g]
+        if failed:
+            r, g = failed[0]
+            raise ConfigError(f"refit rank {r}: its set-up failed: {g['failed']}") if g["code"] == 2 else \
+                RuntimeFailure(f"refit rank {r}: its set-up failed: {g['failed']}")
         layouts = {}
         for role, given in (("src", self._src), ("dst", self._dst)):
             if given is not None:
@@ -225,10 +284,10 @@ class Refit:
                 raise
             error = str(e)
         if agreed:
-            failed = gather_failures(self.comm.all_gather_object, error, exit_code=2)
+            failed = gather_failures(partial(self.comm.all_gather_object, what="binding"), error, exit_code=2)
             if failed:
                 raise ConfigError(one_line(failed, me=self.rank, label="refit rank"))
-        self._install(part, shards, tensors)
+        self._told("setting up the transfer", self._install, part, shards, tensors)
 
     def _shards_of(self, part: _Part, tensors: Mapping[str, torch.Tensor]) -> tuple | None:
         """This call's shards for the part, None when they are unchanged. Destination buffers may be new
@@ -291,8 +350,7 @@ class Refit:
         eng.bytes_sent = eng.bytes_received = 0  # this refit's, not a running total
         eng.run_reshard()
         eng.run_broadcast()
-        if eng.device.type == "cuda":
-            torch.cuda.synchronize(eng.device)
+        self.comm.synchronize(eng.device, what="the transfer")  # CUDA: polled under the watchdog
 
     def _verify(self, part: _Part) -> bool:
         """Checksums: each destination shard against the sources' checksum of the same box (collective)."""
@@ -333,35 +391,36 @@ class Refit:
         except Exception as e:  # noqa: BLE001 - a wrong buffer, or an engine's own failure (out of memory)
             error = str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}"
             code = 2 if isinstance(e, ConfigError) else 1
-        self._agree(i, part, error, opened, code=code)
-        self._install(part, shards, tensors)
+        self._agree(i, part, error, opened, code=code, step="opened")
+        self._told("setting up the transfer", self._install, part, shards, tensors)
         error, bad = None, []
-        try:
-            self._move(part)
-        except GroupBroken:
-            raise
-        except Exception as e:  # noqa: BLE001
-            error = f"the transfer failed ({type(e).__name__}: {e})"
-            self.comm.fail(f"{self._me()}: {error}", (self.rank,))  # peers may wait on this rank's bytes
+        self._told("the transfer", self._move, part)  # peers may wait on its bytes: a failure breaks the group
         if verify_checksums:
-            bad = self._mismatched(part)
-            if bad and error is None:
+            bad = self._told("the verification", self._mismatched, part)
+            if bad:
                 error = (f"checksums differ after the transfer in {len(bad)} tensor(s), first "
                          f"{part.plan.dst.manifest.tensors[bad[0]].name}")
-        self._agree(i, part, error, opened, code=1)
-        if opened is not None:
+        if opened is not None and error is None:
+            try:  # phase one: everything that can fail, before the last agreement
+                opened.prepare(part.group)
+            except Exception as e:  # noqa: BLE001 - the engine's processing (out of memory, a kernel's repacking)
+                error = f"preparing {part.group.label} failed ({type(e).__name__}: {e})"
+        self._agree(i, part, error, opened, code=1, step="prepared")
+        if opened is not None:  # phase two: every rank has the group, prepared; swapping it in cannot fail
             try:
                 opened.commit(part.group)
-            except Exception as e:  # noqa: BLE001
-                raise RefitFailed(f"{self._me()}: committing {part.group.label} failed after every rank agreed "
-                                  f"({type(e).__name__}: {e}); {self._progress(i)}", self.groups[:i],
-                                  self.groups) from e
+            except Exception as e:  # noqa: BLE001 - a defect: told to everyone, the store says what this rank holds
+                self.comm.fail(f"{self._me()}: committing {part.group.label} failed after every rank agreed "
+                               f"({type(e).__name__}: {e}); this rank holds {i} group(s) of this refit",
+                               (self.rank,))
+            self._record_held(i + 1)
         return not bad
 
-    def _agree(self, i: int, part: _Part, error: str | None, stage: Stage | None, *, code: int) -> None:
-        """Collective: every rank's error for group i; on any, the group is aborted here and every rank raises
-        the same line."""
-        failed = gather_failures(self.comm.all_gather_object, error, exit_code=code, role=self.who)
+    def _agree(self, i: int, part: _Part, error: str | None, stage: Stage | None, *, code: int, step: str) -> None:
+        """Collective: every rank's error for group i at `step`; on any, the group is aborted here and every
+        rank raises the same line."""
+        failed = gather_failures(partial(self.comm.all_gather_object, what=f"group {i} {step}"), error,
+                                 exit_code=code, role=self.who)
         if not failed:
             return
         if stage is not None:
@@ -380,6 +439,9 @@ class Refit:
 
     def _me(self) -> str:
         return f"refit rank {self.rank}" + (f" ({self.who})" if self.who else "")
+
+
+_SETUP = "refit set-up"
 
 
 def _labels(groups: list[Group]) -> str:

@@ -42,6 +42,30 @@ class LLMClient:
     def update_weight_version(self, new_version: str) -> None:
         self.llm.update_weight_version(new_version)
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+
+ROUTES = ("reset_prefix_cache", "pause", "resume", "shutdown_weight_transfer_engine")
+
+
+def control(client, route: str, query: str = "") -> bool:
+    """One of vLLM's control routes (`ROUTES`) on an engine: the client's own method when it has one, else a
+    POST to the server's route when the client holds its `base_url` (vLLM's `HTTPVLLMWeightSyncClient` has no
+    method for the prefix cache or for pausing). False: this client cannot reach it (an `LLM` in this process
+    has no pause; its generation runs only when this process asks for it)."""
+    method = getattr(client, route, None)
+    if callable(method):
+        method()
+        return True
+    base = getattr(client, "base_url", None)
+    if not base:
+        return False
+    url = f"{str(base).rstrip('/')}/{route}" + (f"?{query}" if query else "")
+    request = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=float(getattr(client, "timeout", 60) or 60)):  # noqa: S310
+        return True
+
 
 def http_client(url: str, timeout: float):
     """vLLM's own HTTP client of the weight-transfer routes, which also drops the server's prefix cache."""
@@ -70,8 +94,14 @@ class Call:
             return None
         return f"the engine refused: {_one_line(self.error)}"
 
-    def join(self) -> None:
-        self.thread.join()
+    def join(self, timeout: float | None = None, *, quiet: bool = False) -> None:
+        """Wait for the call (at most `timeout` seconds: an engine that does not answer is named, not waited
+        on forever); re-raise its error unless `quiet`."""
+        self.thread.join(timeout)
+        if quiet:
+            return
+        if self.thread.is_alive():
+            raise RuntimeError(f"reshard: the engine did not answer within {timeout:.0f} s")
         if self.error is not None:
             raise RuntimeError(f"reshard: {self.failure()}") from self.error
 

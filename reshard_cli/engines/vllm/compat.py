@@ -189,12 +189,44 @@ def checkpoint_meta(module) -> dict:
     return get_layerwise_info(module).restore_metadata[0]
 
 
-def process_reloaded(module) -> None:
-    """vLLM's processing of a reloaded layer once its weights are all in (the private `_layerwise_process`
-    its reload runs per layer): post-load processing, then the copy into the kernels' storage."""
+def process_staged(module) -> None:
+    """The first half of vLLM's processing of a reloaded layer once its weights are all in (its private
+    `_layerwise_process`, which the reload runs per layer): the post-load processing into the kernels' format,
+    on the staged tensors only. What the layer computes with is untouched until `swap_in`."""
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    if hasattr(module, "_already_called_process_weights_after_loading"):
+        delattr(module, "_already_called_process_weights_after_loading")
+    for param in get_layer_tensors(module).values():
+        param.weight_loader = layerwise._get_original_loader(param)
+    module.quant_method.process_weights_after_loading(module)
+    if hasattr(module, "update_param_tp_status"):
+        module.update_param_tp_status()
+
+
+def swap_mismatch(module) -> str | None:
+    """Why `swap_in` could not copy the processed tensors into the kernels' storage (a shape or dtype that
+    changed), or None."""
     from vllm.model_executor.model_loader.reload import layerwise
 
-    layerwise._layerwise_process(module, layerwise.get_layerwise_info(module))
+    kernel = layerwise.get_layerwise_info(module).kernel_tensors
+    for table in kernel or ():
+        for name, old in table.items():
+            new = getattr(module, name, None)
+            if new is not None and (tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype):
+                return f"{name}: processed {list(new.shape)} {new.dtype}, kernel {list(old.shape)} {old.dtype}"
+    return None
+
+
+def swap_in(module) -> None:
+    """The second half: the processed values copied into the kernels' own storage (their references stay
+    valid, as vLLM's reload keeps them) and those tensors put back on the layer."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    info = layerwise.get_layerwise_info(module)
+    layerwise._copy_and_restore_kernel_tensors(module, info)
+    info.reset()
 
 
 def finish_reload(module, model_config) -> None:

@@ -13,6 +13,8 @@ from reshard_cli.hw import nvml
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.plan.fleet import fleet_of
 from reshard_cli.formats import load_layout, load_pair
+
+NUMBERS = "update numbers"  # the collective after an update where the trainer collects every worker's numbers
 from reshard_cli.plan.groups import DEFAULT_STAGE_MB
 from reshard_cli.transfer.agree import Failure, one_line
 

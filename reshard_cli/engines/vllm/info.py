@@ -31,6 +31,8 @@ class ReshardInitInfo(_api.WeightTransferInitInfo):
     topology: str = ""  # the refit ranks' NVLink domains: "" none, "auto" (NVML on every rank), a bundled name,
     # or a topology file's YAML text (`handshake.refit_topology`)
     mode: str = "auto"  # the plan's mode (`reshard plan --mode`): auto picks each tensor class's route
+    stall: float = 0.0  # seconds without a peer's heartbeat before it is named as stalled (0: the default, 10 s
+    # or half the timeout); the update returns, and the engine serves again, as soon as it is named
 
 
 @dataclass
@@ -53,6 +55,10 @@ class ReshardTrainerInitInfo(_api.TrainerInitInfo):
     stage_mb: float | None = None  # what each worker stages at once (ReshardInitInfo.stage_mb)
     topology: str = ""  # ReshardInitInfo.topology: the refit ranks' domains (trainer ranks first)
     mode: str = "auto"  # ReshardInitInfo.mode
+    stall: float = 0.0  # ReshardInitInfo.stall
+    on_partial: str = "pause"  # an update that failed after committing some groups leaves the engine on a mix
+    # of two steps: "pause" pauses its generation (vLLM's pause route) until a complete refit lands; "serve"
+    # keeps serving it (its weight version says what it holds)
 
 
 plugin.register()  # importing the trainer API is enough to use it (see the module docstring)

@@ -9,6 +9,7 @@ import torch
 from reshard_cli import formats
 from reshard_cli.engines.vllm import compat, cpu_repairs
 from reshard_cli.errors import ConfigError
+from reshard_cli.plan.groups import layer_groups
 from reshard_cli.transfer.live import Stage
 
 
@@ -18,11 +19,16 @@ class EngineTarget(Stage):
     computes with changes before every rank of the refit has that group, verified.
 
     `staged`: modules vLLM post-processes after loading; for a group they are materialized in checkpoint format
-    through vLLM's layerwise-reload bookkeeping, written by the refit, then (at commit) processed and copied
-    into the kernels' storage by vLLM's own code (the step its reload runs once a layer's weights are all
-    loaded); an aborted group gets its previous kernel tensors back. A module in a kernel format may look
-    unchanged from outside (the CPU build keeps the experts' shapes but prepacks them), so every module with a
-    quant method is staged. The others (norms) are written into copies, copied into place at commit."""
+    through vLLM's layerwise-reload bookkeeping, written by the refit, processed into the kernels' format by
+    vLLM's own code (`prepare`: the step its reload runs once a layer's weights are all loaded, where every
+    allocation happens), and only at commit copied into the kernels' storage; an aborted group gets its
+    previous kernel tensors back, and the kernel state vLLM keeps outside tensors (the CPU build's packed-GEMM
+    closures) as it was. A module in a kernel format may look unchanged from outside (the CPU build keeps the
+    experts' shapes but prepacks them), so every module with a quant method is staged. The others (norms) are
+    written into copies, copied into place at commit.
+
+    `peak_staged_bytes` is measured: on CUDA the allocator's peak over the update above what was allocated
+    before it; on CPU the bytes of the tensors the open group held at once (staged, processed, copies)."""
 
     def __init__(self, model, layout, rank: int, model_config):
         self.model, self.layout, self.rank, self.model_config = model, layout, rank, model_config
@@ -49,8 +55,12 @@ class EngineTarget(Stage):
         # as vLLM's own loader zeroes them
         self.padded = {et.name for et in self.storage
                        if sum(v.box.numel for v in et.views) < _numel(et.shape)}
-        self.open_group: tuple | None = None  # (staged modules, {name: (parameter, copy)}) of the open group
-        self.peak_staged_bytes = 0  # the most checkpoint-format bytes staged at once, this update
+        self.open_group: tuple | None = None  # (staged modules, {name: (parameter, copy)}, their attributes)
+        self.peak_staged_bytes = 0  # measured: the most bytes the open group held at once, this update
+        self.largest_layer_bytes = max((u.nbytes for u in layer_groups(layout, 1)), default=0)  # the least a
+        # group can stage (whole layers), on the destination rank that stages the most
+        self.largest_group_bytes = 0  # planned: the most checkpoint-format bytes of one group, this update
+        self._base_allocated = 0  # CUDA: allocated when the update began
         self.processing_seconds = 0.0
         # every view checked now, against the live parameters and the staged ones' checkpoint-format metadata
         self.format.bind(self._model_format(params), layout, rank)
@@ -71,7 +81,32 @@ class EngineTarget(Stage):
         return sum(et.nbytes for et in self.storage if et.name.rpartition(".")[0] in self.staged)
 
     def reset_stats(self) -> None:
-        self.peak_staged_bytes, self.processing_seconds = 0, 0.0
+        self.peak_staged_bytes, self.largest_group_bytes, self.processing_seconds = 0, 0, 0.0
+        device = next((p.device for p in self.model.parameters()), None)
+        if device is not None and device.type == "cuda":
+            import torch.cuda
+
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._base_allocated = torch.cuda.memory_allocated(device)
+
+    def _measure(self) -> None:
+        """The bytes the open group holds now (CPU), or the allocator's peak so far (CUDA)."""
+        modules, copies, _attrs = self.open_group
+        device = next((p.device for p in self.model.parameters()), None)
+        if device is not None and device.type == "cuda":
+            held = torch.cuda.max_memory_allocated(device) - self._base_allocated
+        else:
+            seen: dict = {}
+            for module in modules.values():
+                for t in (*module.parameters(recurse=False), *module.buffers(recurse=False),
+                          *(v for v in vars(module).values() if isinstance(v, torch.Tensor))):
+                    st = t.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+            for _param, copy in copies.values():
+                seen[copy.untyped_storage().data_ptr()] = copy.untyped_storage().nbytes()
+            held = sum(seen.values())
+        self.peak_staged_bytes = max(self.peak_staged_bytes, held)
 
     def open(self, group, layout) -> dict:
         """Materialize the group's staged modules in checkpoint format, copy its other parameters, and bind
@@ -86,8 +121,10 @@ class EngineTarget(Stage):
                 modules[mod_name] = self.staged[mod_name]
         begun: dict = {}
         copies: dict = {}
-        self.open_group = (begun, copies)  # what an abort must undo, should this fail half-way
+        attrs: dict = {}
+        self.open_group = (begun, copies, attrs)  # what an abort must undo, should this fail half-way
         for mod_name, module in modules.items():
+            attrs[mod_name] = _state(module)
             compat.begin_reload(module)
             begun[mod_name] = module
             compat.materialize(module)
@@ -98,40 +135,68 @@ class EngineTarget(Stage):
                 params[et.name] = copies[et.name][1]
             elif et.name in self.padded:
                 params[et.name].data.zero_()
-        staged = sum(et.nbytes for et in tensors)
-        self.peak_staged_bytes = max(self.peak_staged_bytes, staged)
+        self.largest_group_bytes = max(self.largest_group_bytes, sum(et.nbytes for et in tensors))
+        self._measure()
         return self.format.bind(params, layout, self.rank)
 
-    def commit(self, group) -> None:
-        """vLLM's post-processing of the group's staged modules (after the refit wrote them), its finalize, and
-        the other parameters copied into place."""
+    def prepare(self, group) -> None:
+        """vLLM's post-processing of the group's staged modules into the kernels' format (after the refit
+        wrote and verified them): every allocation of the group happens here, before the last agreement;
+        what the model computes with is untouched. A failure leaves the group open for the refit's abort."""
         t0 = time.perf_counter()
-        modules, copies = self.open_group
-        try:
-            for module in modules.values():
-                compat.process_reloaded(module)
-                cpu_repairs.repack_experts(module)
-            for name in modules:
-                cpu_repairs.reprocess_tied(self.tied.get(name, ()))
-        except BaseException:
-            self.abort()  # vLLM's finalize on the group: nothing is left open for the next update
-            raise
+        modules, _copies, _attrs = self.open_group
         for module in modules.values():
+            compat.process_staged(module)
+            cpu_repairs.repack_experts(module)
+            why = compat.swap_mismatch(module)
+            if why:
+                raise RuntimeError(f"vLLM's processing changed a kernel tensor's shape ({why})")
+        self._measure()
+        self.processing_seconds += time.perf_counter() - t0
+
+    def commit(self, group) -> None:
+        """Every rank prepared the group: its processed values copied into the kernels' storage (checked to
+        fit in `prepare`), vLLM's finalize, the other parameters copied into place. Only tied modules (a
+        tied lm_head) are processed here, once the shared parameter holds the new values."""
+        t0 = time.perf_counter()
+        modules, copies, _attrs = self.open_group
+        self.open_group = None
+        for module in modules.values():
+            compat.swap_in(module)
             compat.finish_reload(module, self.model_config)
         for param, copy in copies.values():
             param.data.copy_(copy)
-        self.open_group = None
+        for name in modules:
+            cpu_repairs.reprocess_tied(self.tied.get(name, ()))
         self.processing_seconds += time.perf_counter() - t0
 
     def abort(self, group=None) -> None:
-        """vLLM's finalize on the open group's staged modules: their previous kernel tensors back; the copies
+        """vLLM's finalize on the open group's staged modules: their previous kernel tensors back, and the
+        kernel state their processing may have replaced (prepared but not committed) as it was; the copies
         of the other parameters dropped."""
         if self.open_group is None:
             return
-        modules, _copies = self.open_group
+        modules, _copies, attrs = self.open_group
         self.open_group = None
-        for module in modules.values():
+        for name, module in modules.items():
             compat.finish_reload(module, self.model_config)
+            _restore(module, attrs[name])
+
+
+_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+def _state(module) -> dict:
+    """A module's own attributes besides its tensors and children (where vLLM's processing keeps kernel state
+    outside tensors: the CPU build's packed-GEMM closure `cpu_linear`)."""
+    return {k: v for k, v in vars(module).items() if k not in _TABLES}
+
+
+def _restore(module, state: dict) -> None:
+    for k in [k for k in vars(module) if k not in _TABLES and k not in state]:
+        delattr(module, k)
+    for k, v in state.items():
+        module.__dict__[k] = v
 
 
 def _numel(shape) -> int:

@@ -17,8 +17,9 @@ from torch.distributed.tensor import DTensor
 from reshard_cli import formats
 from reshard_cli.base import checksums
 from reshard_cli.engines.vllm import compat, full
-from reshard_cli.engines.vllm.clients import Call
-from reshard_cli.engines.vllm.handshake import (digest, domain_key, handshake, layouts, rank_names, refit_topology,
+from reshard_cli.engines.vllm.clients import Call, control
+from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
+                                                refit_topology,
                                                 stage_mb)
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
@@ -39,6 +40,7 @@ class UpdateFailed(RuntimeError):
         super().__init__(message)
         self.committed, self.groups, self.group_broken = failure.committed, failure.groups, failure.broken
         self.ranks = failure.ranks  # the refit ranks a broken group's line names (trainer r is refit rank r)
+        self.held = failure.held  # every worker's refit rank -> the groups it committed, as it recorded them
 
 
 class ReshardSource(_api.WeightSource):
@@ -77,6 +79,9 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         self = cls(client=clients[0], source=source, is_sender=init_info.is_sender)
         self.clients = clients if self.is_sender else []
         self.info, self._fleet_figures = init_info, None
+        self.paused: list = []  # the clients this engine paused after a partial update (resumed by a complete one)
+        if init_info.on_partial not in ("pause", "serve"):
+            raise ValueError(f"reshard: on_partial must be 'pause' or 'serve', not {init_info.on_partial!r}")
         trainer_size = dist.get_world_size() if dist.is_initialized() else 1
         src, dst = layouts(init_info.src, init_info.dst, trainer_size)
         trainer_size = src.size if src is not None else trainer_size
@@ -85,7 +90,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         worker_info = {"host": init_info.host, "port": init_info.port, "world_size": world,
                        "src": init_info.src, "dst": init_info.dst, "trainer_size": trainer_size,
                        "timeout": init_info.timeout, "bucket_mb": init_info.bucket_mb, "path": init_info.path,
-                       "stage_mb": init_info.stage_mb, "topology": init_info.topology, "mode": init_info.mode}
+                       "stage_mb": init_info.stage_mb, "topology": init_info.topology, "mode": init_info.mode,
+                       "stall": init_info.stall}
         try:
             bases, refused = replica_bases(self.clients, dst) if self.is_sender else [], None
         except ConfigError as e:  # no engine is called; the other trainer ranks learn it as they join
@@ -94,10 +100,16 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         calls = [Call(c.init_weight_transfer_engine, {**worker_info, "replica": first})
                  for c, first in zip(self.clients, bases)]
         tensors = self._tensors()
-        self.group = refit_group(init_info.host, init_info.port, init_info.rank, world,
-                                 timeout=init_info.timeout, device=_device_of(tensors),
-                                 abort=lambda: refused or next((f for f in (c.failure() for c in calls) if f), None),
-                                 names=rank_names(dst))
+        try:
+            self.group = refit_group(init_info.host, init_info.port, init_info.rank, world,
+                                     timeout=init_info.timeout, device=_device_of(tensors),
+                                     abort=lambda: refused or next((f for f in (c.failure() for c in calls) if f),
+                                                                   None),
+                                     names=rank_names(dst), stall=init_info.stall or None)
+        except BaseException:
+            for call in calls:  # the workers' init ends with the group's failure (its store gone)
+                call.join(timeout=5, quiet=True)
+            raise
         error = _own_error(src, tensors, init_info.rank)
         try:
             stage_mb(init_info.stage_mb, dst)
@@ -108,9 +120,13 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                                 digest(src, None if src is not None or error else tensors), error,
                                 domain_key(init_info.topology, _device_of(tensors)))
             topology = refit_topology(init_info.topology, domains)
-        finally:
+        except BaseException:
             for call in calls:
-                call.join()
+                call.join(timeout=init_info.timeout, quiet=True)
+            self.shutdown()
+            raise
+        for call in calls:
+            call.join(timeout=init_info.timeout)
         self.src, self.dst = src, dst
         self.refit = (Refit(role="src", src=src, dst=dst, mode=init_info.mode, topology=topology,
                             bucket_mb=init_info.bucket_mb, group=self.group,
@@ -159,7 +175,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                 failure = RefitFailed(str(e), [], [], broken=True, ranks=e.ranks)
             if failure is None or not failure.broken:
                 try:  # every rank's numbers, the workers' after their update
-                    everyone = self.group.all_gather_object({"trainer": self.info.rank, **mine})
+                    everyone = self.group.all_gather_object({"trainer": self.info.rank, **mine}, what=NUMBERS)
                 except GroupBroken as e:  # after the update: what it committed stays committed
                     done = self.refit.groups if failure is None and self.refit is not None else \
                         (failure.committed if failure is not None else [])
@@ -175,24 +191,47 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         workers = [s for s in everyone if s is not None and "worker" in s]
         trainers = [s for s in everyone if s is not None and "trainer" in s]
         failed = next((w for w in workers if w["error"]), None)
+        held = self.refit.held() if self.refit is not None else {}  # what each worker recorded it committed
+        if failure is not None and held:  # the version says what every worker holds: the fewest groups
+            failure.held = held
+            failure.committed = failure.groups[:min(held.values())]
         version = weight_version
         landed = failure is not None and failure.groups and len(failure.committed) == len(failure.groups)
         if failure is not None and not landed:  # unchanged, or the partial marker
             version = (None if not failure.partial else
                        f"{weight_version or 'update'}+partial-{len(failure.committed)}of{len(failure.groups)}")
+        paused = False
         if self.is_sender:
             changed = failure is None or failure.partial
             for client in self.clients:
                 self._finish_update(client, version, failure is None and failed is None, changed=changed)
+            paused = self._pause_or_resume(partial=failure is not None and failure.partial and not landed)
         if failure is not None:
             if failure.broken:  # the group is given up: the next refit needs a new trainer_init
                 self.shutdown()
-            raise UpdateFailed(f"reshard: {failure}", failure) from None
+            note = ("; the engine is paused until a complete refit lands (on_partial: serve keeps it serving)"
+                    if paused else "")
+            raise UpdateFailed(f"reshard: {failure}{note}", failure) from None
         if failed:
             raise RuntimeError(f"reshard: refit rank {failed['worker']} (vLLM worker): {failed['error']}")
         return {"seconds": seconds, "trainer": mine, "trainers": trainers, "workers": workers,
-                "weight_version": version, **fleet_report(trainers, workers),
+                "weight_version": version, "held": held, **fleet_report(trainers, workers),
                 "fleet": self.fleet_figures() if self.is_sender else None}
+
+    def _pause_or_resume(self, *, partial: bool) -> bool:
+        """After an update that left the engines on a mix of two steps: pause their generation (vLLM's pause
+        route, requests kept queued) unless `on_partial: serve`; after a complete one: resume what this
+        engine paused. Whether the engines are paused now."""
+        if partial and self.info.on_partial == "pause":
+            for client in self.clients:
+                if client not in self.paused and _quietly(control, client, "pause", "mode=keep"):
+                    self.paused.append(client)
+            return bool(self.paused)
+        if not partial:
+            for client in self.paused:
+                _quietly(control, client, "resume")
+            self.paused = []
+        return bool(self.paused)
 
     def _finish_update(self, client, version: str | None, ok: bool, *, changed: bool) -> None:
         """The engine's finish_weight_update, and what a changed model needs: the new weight version, and the
@@ -206,9 +245,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             setter = getattr(client, "update_weight_version", None)
             if version is not None and setter is not None:
                 setter(version)
-        reset = getattr(client, "reset_prefix_cache", None)
-        if reset is not None and changed:
-            reset()
+        if changed:  # the client's own method, or the server's route through vLLM's HTTP client's base_url
+            control(client, "reset_prefix_cache")
 
     def _start_update(self, client) -> None:
         """The engine's start_weight_update. An update left open (a trainer that died before finishing it, a
@@ -230,8 +268,13 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         return {"bytes_sent": sent, "checksums_ok": None}
 
     def shutdown(self) -> None:
+        """End the refit group on this rank (its process groups, threads and, on rank 0, its store and port) and,
+        on the rank that drives the engines, theirs (vLLM's shutdown_weight_transfer_engine): `trainer_init`
+        may then run again in this process, on the same host and port."""
         if getattr(self, "group", None) is not None:
             self.group.close()
+            for client in getattr(self, "clients", []):
+                _quietly(control, client, "shutdown_weight_transfer_engine")
         self.refit = self.group = None
 
 
@@ -291,13 +334,13 @@ def _own_error(src, tensors: Mapping[str, torch.Tensor], rank: int) -> str | Non
     return f"the trainer does not hold {missing[0]!r}" if missing else None
 
 
-def _quietly(fn, *args) -> None:
+def _quietly(fn, *args):
     """A control-plane call whose failure is expected and says nothing new (a finish where vLLM already ended
-    the update)."""
+    the update); its result, None after a failure."""
     try:
-        fn(*args)
+        return fn(*args)
     except Exception:  # noqa: BLE001
-        pass
+        return None
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:

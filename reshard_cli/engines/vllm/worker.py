@@ -31,7 +31,8 @@ import time
 import torch.distributed as dist
 
 from reshard_cli.engines.vllm import compat, cpu_repairs, full
-from reshard_cli.engines.vllm.handshake import (digest, domain_key, handshake, layouts, rank_names, refit_topology,
+from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
+                                                refit_topology,
                                                 stage_mb)
 from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
@@ -75,7 +76,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         try:
             group = refit_group(init_info.host, init_info.port, self.refit_rank, init_info.world_size,
                                 timeout=init_info.timeout, device=self.device,
-                                names=rank_names(dst))
+                                names=rank_names(dst), stall=init_info.stall or None)
         except ReshardError as e:
             raise ValueError(f"reshard: {self.role}: {e}") from None
         try:
@@ -134,7 +135,8 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         try:
             stats.update(self._receive(update_info))
         except RefitFailed as e:  # the same line on every rank that saw it
-            stats.update(error=str(e), committed_groups=len(e.committed), groups=len(e.groups))
+            stats.update(error=str(e), committed_groups=len(e.committed), groups=len(e.groups),
+                         **getattr(self, "staging", {}))
             broken = e.broken
         except BaseException as e:  # noqa: BLE001 - this worker alone (the full path, a bug): the group is lost
             if self.target is not None:
@@ -148,7 +150,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self.updated = True
         if not broken:
             try:
-                self.group.all_gather_object(stats)  # the trainer collects every worker's numbers (or errors)
+                self.group.all_gather_object(stats, what=NUMBERS)  # the trainer collects every worker's numbers
             except GroupBroken as e:
                 stats["error"] = f"{e} (after this worker's update{' failed' if stats['error'] else ' landed'})"
                 broken = True
@@ -165,12 +167,23 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             got = full.receive_full(self.group, self.src, self.dst, self.model, self.device)
             return {"bytes_received": got, "direct_bytes": 0, "processed_bytes": got}
         self.target.reset_stats()
-        rs = self.refit(verify_checksums=update_info.verify, stage=self.target)
+        try:
+            rs = self.refit(verify_checksums=update_info.verify, stage=self.target)
+        finally:
+            self.staging = self._staging()
         return {"bytes_received": rs.bytes_received, "direct_bytes": rs.bytes_received,
                 "forwarded_bytes": rs.bytes_sent, "checksum": rs.checksum,
                 "processed_bytes": self.target.staged_bytes, "processing_seconds": self.target.processing_seconds,
                 "checksums_ok": rs.checksums_ok, "groups": rs.groups, "committed_groups": rs.groups,
-                "peak_staged_bytes": self.target.peak_staged_bytes}
+                **self.staging}
+
+    def _staging(self) -> dict:
+        """What this update staged: the measured peak, the budget, the largest layer and group, all the
+        worker's checkpoint-format weights."""
+        t = self.target
+        return {"peak_staged_bytes": t.peak_staged_bytes, "stage_budget_bytes": self.refit.stage_bytes,
+                "largest_group_bytes": t.largest_group_bytes, "largest_layer_bytes": t.largest_layer_bytes,
+                "worker_weight_bytes": t.staged_bytes}
 
     def update_weights(self, update_info) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # CPU or GPU: the refit synchronizes

@@ -317,50 +317,43 @@ def test_fast_checksum_block_sizes():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn,
                                    torch.float8_e5m2, torch.float64, torch.int8, torch.int32, torch.int64,
                                    torch.uint8, torch.bool], ids=str)
-def test_fast_synthetic_values_are_the_generator_s(dtype):
-    """Blocks generated from one period of the synthetic values (numpy, raw bits) equal torch's synthetic_values
-    bit for bit (seeds, tensor indices, 1-3 dims, flat indices past 2^32), whether copied or compared in place
-    (repeating rows, wide rows), a damaged element is seen, and the row sums taken from them give the checksum."""
-    from reshard_cli.io.check import _Scratch, _SyntheticBlocks, _WindowRows
+def test_fast_synthetic_values_are_the_generator_s(dtype, monkeypatch):
+    """Blocks `reshard check` generates (numpy, raw bits, into scratch) equal torch's synthetic_values bit for bit
+    (seeds, tensor indices, 0-3 dims, flat indices past 2^32, rows starting at every lane of a hash word, wide rows
+    cut into steps, many narrow rows per step), and `_compare` finds one damaged element among them, where it is,
+    and gives the file's checksum."""
+    from reshard_cli.io import sources
+    from reshard_cli.io.check import _compare, _Scratch, _SyntheticBlocks
 
     scratch = _Scratch()
     name = str(dtype).removeprefix("torch.")
     cases = [((5000,), Box((123,), (4000,))), ((1 << 40,), Box(((1 << 35) + 77,), (3000,))),
              ((300, 256), Box((17, 0), (200, 256))), ((256, 1000), Box((0, 500), (256, 500))),
              ((7, 9, 11), Box((1, 2, 3), (5, 6, 7))), ((3, 70000), Box((1, 3), (2, 69990))),
-             ((1 << 20, 4096), Box(((1 << 20) - 8, 1024), (8, 1024))), ((64, 3001), Box((3, 7), (40, 2994)))]
-    # rows that repeat (width times row, mod 2^16): the row sums come from the distinct rows
-    repeating = [((2000, 256), Box((5, 0), (1500, 256))), ((600, 2048), Box((0, 1024), (300, 1024))),
-                 ((4, 300, 512), Box((1, 0, 0), (2, 300, 512)))]
-    kinds = set()
+             ((1 << 20, 4096), Box(((1 << 20) - 8, 1024), (8, 1024))), ((64, 3001), Box((3, 7), (40, 2994))),
+             ((50, 7), Box((3, 2), (40, 3))), ((), Box((), ())), ((1,), Box((0,), (1,)))]
+    default = sources._FILL_STEP
     for t, seed in [(0, 0), (5, 3), (112, -7), (1000, 123456789)]:
-        for shape, box in cases + (repeating if seed == 3 else []):
-            gen = _SyntheticBlocks.make(t, shape, name, seed, box)
+        for shape, box in cases:
+            gen = _SyntheticBlocks.make(t, shape, name, seed)
             assert gen is not None
             rows = rowsum.row_ids(box, shape)
-            want = _np(synthetic_values(t, box, shape, dtype, seed)).reshape(rows.size, box.sizes[-1])
-            like = np.empty_like(want)
-            got, row_sums = gen.block(box, rows, like, scratch)
-            if isinstance(got, _WindowRows):  # compared in place: equal to the generator's, and not to damage
-                kinds.add("periodic" if got.m else "rows")
-                assert got.equal(want, scratch), (t, seed, shape, box)
+            values = synthetic_values(t, box, shape, dtype, seed)
+            want = _np(values).reshape(rows.size, box.sizes[-1] if box.sizes else 1)
+            for step in (default, 999):  # and steps shorter than the rows, starting at any lane
+                monkeypatch.setattr(sources, "_FILL_STEP", step)
+                got = gen.block(box, rows, np.empty_like(want), scratch)
+                assert got.dtype == want.dtype and np.array_equal(got, want), (step, t, seed, shape, box)
+            if seed == 3:
+                assert _compare(want.reshape(box.sizes), gen.block, box, shape, 1 << 12, scratch)[:3] == (
+                    0, None, checksums.checksum(values, box, shape))
                 bad = want.copy()
-                bad.reshape(-1)[bad.size * 2 // 3] ^= 1
-                assert not got.equal(bad, scratch)
-                got = got.expand(np.empty_like(want))
-            else:
-                kinds.add("copy")
-            assert np.array_equal(got, want), (t, seed, shape, box)
-            cs = rowsum.RowChecksum(box, shape, dtype.itemsize, None, rows)
-            sums = row_sums(cs)
-            repeats = rows.size >= 2 * len(set(((rows * shape[-1] + box.offsets[-1]) % (1 << 16)).tolist()))
-            assert (sums is not None) == repeats and (repeats or (shape, box) in cases), (shape, box)
-            if sums is None:
-                cs.update(0, got)
-            else:
-                cs.set_row_sums(0, sums)
-            assert cs.value() == checksums.checksum(synthetic_values(t, box, shape, dtype, seed), box, shape)
-    assert kinds == {"periodic", "rows", "copy"}
+                k = bad.size * 2 // 3
+                bad.reshape(-1)[k] ^= 1
+                n, first, csum, _ = _compare(bad.reshape(box.sizes), gen.block, box, shape, 1 << 12, scratch)
+                local = np.unravel_index(k, box.sizes) if box.sizes else ()
+                assert (n, first) == (1, [o + int(v) for o, v in zip(box.offsets, local)]), (shape, box)
+                assert csum == checksums.checksum(torch.from_numpy(bad.reshape(box.sizes)).view(dtype), box, shape)
 
 
 def test_same_bits_any_alignment():
@@ -455,9 +448,9 @@ def test_flipped_byte_every_source(copy, ckpt, tmp_path, source, tensor, element
     assert len(res.problems) == 2
 
 
-def test_flipped_byte_in_repeating_rows(tmp_path):
-    """The demo's embedding shard [1024, 256] (bf16): its rows repeat, so good blocks take their checksum from
-    the synthetic values; a damaged block takes it from the file, and the total is still the file's checksum."""
+def test_flipped_byte_in_a_large_shard(tmp_path):
+    """The demo's embedding shard [1024, 256] (bf16), in one block or several: one damaged element is found where
+    it is, and the checksum reported is the file's."""
     out = tmp_path / "out"
     src_l, dst_l = make_output(TRAIN, INFER, out)
     name = "model.embed_tokens.weight"
@@ -471,6 +464,51 @@ def test_flipped_byte_in_repeating_rows(tmp_path):
         assert [(p.kind, p.tensor) for p in res.problems] == [("values", name), ("checksum", name)]
         assert (res.problems[0].count, res.problems[0].first_index) == (1, [1000, 3])
         assert f"checksum of the file's shard is {csum}" in res.problems[1].message
+
+
+def _old_synthetic_bits(t, box, shape, seed=0):
+    """bf16 bits of the previous generator's values (h = ((i * 2654435761) ^ ((t + 1) * 40503) ^ (seed * 97)) &
+    0xFFFF): periodic in the flat index i with period 2^16."""
+    i = checksums.global_index(box, shape)
+    h = ((i * 2654435761) ^ ((t + 1) * 40503) ^ (seed * 97)) & 0xFFFF
+    return (h.to(torch.float32) / 32768 - 1).to(torch.bfloat16).view(torch.int16)
+
+
+@pytest.mark.parametrize("shift", [65536, -65536, 131072, 1])
+def test_shard_misrouted_by_a_power_of_two_is_caught(tmp_path, monkeypatch, capsys, shift):
+    """A shard holding the source's elements `shift` flat positions away (an off-by-2^16 read or send: the
+    demo's embedding shard, rows 0:1024 of [2048, 256] bf16, is 262144 elements of consecutive flat indices),
+    written with a manifest checksum that matches it, so only the values can tell: `reshard check` fails on it.
+    The previous generator repeated every 2^16 elements and could not see a shift by 65536 or 131072."""
+    out = tmp_path / "out"
+    src_l, dst_l = make_output(TRAIN, INFER, out)
+    name = "model.embed_tokens.weight"
+    t = dst_l.manifest.index(name)
+    spec = dst_l.manifest.tensors[t]
+    box = dst_l.placements[t].box_of(spec.shape, dst_l.ranks[0])
+    assert (box.offsets, box.sizes, spec.shape, spec.dtype) == ((0, 0), (1024, 256), (2048, 256), "bfloat16")
+    n = 1024 * 256
+    start = max(shift, 0)  # flat index where the misrouted data starts (shards of flat [0, n) or [-shift, ...))
+    full = synthetic_values(t, Box.full(spec.shape), spec.shape, spec.dtype).reshape(-1)
+    if shift < 0:  # rank 1's shard, rows 1024:2048, holding flat [n + shift, 2n + shift)
+        box, start, f = dst_l.placements[t].box_of(spec.shape, dst_l.ranks[1]), n + shift, 1
+    else:
+        f = 0
+    wrong = full[start:start + n].reshape(box.sizes).clone()
+    right = full[box.offsets[0] * 256:box.offsets[0] * 256 + n].reshape(box.sizes)
+    differ = int((wrong.view(torch.int16) != right.view(torch.int16)).sum())
+    assert differ > n // 2  # most elements differ: nothing repeats at a power-of-two period
+    if shift % 65536 == 0:  # the old values were the same there: the misroute was invisible on synthetic data
+        moved = Box((box.offsets[0] + shift // 256, 0), box.sizes)
+        assert torch.equal(_old_synthetic_bits(t, moved, spec.shape), _old_synthetic_bits(t, box, spec.shape))
+    fname = f"rank-{f:05d}.safetensors"
+    _rewrite(out / fname, lambda d: d.update({name: wrong}))
+    _manifest(out, lambda d: d["ranks"][f]["tensors"][name].update(
+        checksum=checksums.fmt(checksums.checksum(wrong, box, spec.shape))))
+    res = check_output(src_l, dst_l, out)
+    assert [(p.kind, p.tensor, p.rank, p.count) for p in res.problems] == [("values", name, dst_l.ranks[f], differ)]
+    r = check(monkeypatch, capsys, TRAIN, INFER, out)
+    assert r.returncode == 1 and f"{differ} elements differ from the source" in r.stdout, r.stdout
 
 
 def test_threads_report_what_one_thread_reports(tmp_path, monkeypatch):

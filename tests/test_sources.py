@@ -18,7 +18,7 @@ from reshard_cli.errors import ConfigError, RuntimeFailure
 from reshard_cli.base.geometry import Box
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.io.sources import (DcpSource, SafetensorsSource, ShardsSource, SyntheticSource, open_source,
-                                 synthetic_values)
+                                 synthetic_hash, synthetic_values)
 from reshard_cli.base.checksums import checksum, fmt
 
 # SMALL_MODEL plus an int64 tensor (sharded: its name matches the `embed` rules), a 0-d int64 and a bool.
@@ -96,11 +96,20 @@ def test_synthetic_values_deterministic_and_box_consistent():
         box = Box((2, 1), (5, 4))
         part = synthetic_values(3, box, shape, dtype)
         assert torch.equal(bits(part), bits(full[box.slices()].contiguous()))
-    # the formula, spelled out for one element
+    # the formula, spelled out for one element: lane i % 4 of SplitMix64's word i // 4 of the (t, seed) stream
     i, t, seed = 2 * 6 + 3, 3, 5
-    h = ((i * 2654435761) ^ ((t + 1) * 40503) ^ (seed * 97)) & 0xFFFF
+    mask = (1 << 64) - 1
+
+    def mix(z):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+    key = mix(mix(t + 1) ^ seed)
+    h = (mix((key + (i // 4) * 0x9E3779B97F4A7C15) & mask) >> (16 * (i % 4))) & 0xFFFF
+    assert synthetic_hash(t, i, seed) == h
     assert synthetic_values(t, Box((2, 3), (1, 1)), shape, torch.float32, seed).item() == h / 32768 - 1
     assert synthetic_values(t, Box((2, 3), (1, 1)), shape, torch.int64, seed).item() == h % 127
+    assert synthetic_values(t, Box((2, 3), (1, 1)), shape, torch.bool, seed).item() == bool(h & 1)
     # seeds and tensor indices give different values; fp32 values are multiples of 2^-15 in [-1, 1)
     a = synthetic_values(0, Box.full(shape), shape, torch.float32)
     assert not torch.equal(a, synthetic_values(0, Box.full(shape), shape, torch.float32, seed=1))

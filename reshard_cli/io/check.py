@@ -9,19 +9,17 @@ offsets and dtypes the dst layout says.
 One pass, zero copies where possible, and no torch unless the source needs it (numpy only: the command starts
 in a fraction of the time importing torch takes). Each rank file is mapped into memory (`io.mapped`: our
 restricted header parse, no pickle) and its shards are raw-bits views of the mapping (int16 for bf16, ...); a
-safetensors source is mapped the same way (`Source.array`); synthetic values are compared in place against one
-cached period of the generator (`_WindowRows`) or generated per block at copy speed; other sources are read with
-`Source.read` (torch), block by block. Each block is compared as int64 words and checksummed in the same pass
-(`rowsum.RowChecksum`, bit for bit the value `checksums.checksum` gives). The shards of a rank file are compared
-on a few threads (`_Workers`); problems are reported in the same order either way. Memory stays bounded: one
-block of one shard at a time per thread (at most `BLOCK_ELEMS` elements, split along the first dims so that a
-block is a dense sub-box).
+safetensors source is mapped the same way (`Source.array`); synthetic values are generated per block in numpy
+(`sources.synthetic_fill`, the code `SyntheticSource.read` runs: a hash of every element's global index, looked
+up in the dtype's table of values); other sources are read with `Source.read` (torch), block by block. Each block
+is compared as int64 words and checksummed in the same pass (`rowsum.RowChecksum`, bit for bit the value
+`checksums.checksum` gives). The shards of a rank file are compared on a few threads (`_Workers`); problems are
+reported in the same order either way. Memory stays bounded: one block of one shard at a time per thread (at
+most `BLOCK_ELEMS` elements, split along the first dims so that a block is a dense sub-box).
 """
 from __future__ import annotations
 
-import functools
 import itertools
-import math
 import os
 import threading
 import time
@@ -39,12 +37,13 @@ from reshard_cli.errors import ConfigError
 from reshard_cli.base.geometry import Box
 from reshard_cli.layouts.layout import Layout
 from reshard_cli.io.mapped import MappedSafetensors
-from reshard_cli.io.sources import Source, SyntheticSource, open_source
+from reshard_cli.io.sources import (Source, SyntheticSource, open_source, synthetic_fill, synthetic_key,
+                                    synthetic_table)
 
 # Elements per block (4 Mi). The file's block is a view of the mapped file; what is allocated stays under
 # ~150 MiB per thread at any tensor size: the source's block when it is generated, read or realigned (32 MiB
 # each at most, for 8-byte types), the checksum's float64 steps (2 MiB) and per-row arrays (at most _MAX_ROWS
-# rows), and for synthetic values one period and its windows (~2 MiB + one block). Big enough to keep per-block
+# rows), and for synthetic values the generator's words and indices (~6 MiB). Big enough to keep per-block
 # overhead low.
 BLOCK_ELEMS = 1 << 22
 _MAX_ROWS = 1 << 18
@@ -355,10 +354,8 @@ def _compare(got_all: np.ndarray, expected, box: Box, shape: tuple, block_elems:
     One pass over the file's shard (`got_all`: its raw bits, a view of the mapped file): each block, seen as rows
     [rows, last dim], is compared with the source's block as int64 words and fed to the checksum
     (`rowsum.RowChecksum`, the same value as `checksums.checksum`). The source's block is a view of the source when
-    it has one (`Source.array`), synthetic values generated at copy speed, or `Source.read` (`expected`, from
-    `_expected_blocks`). For synthetic values
-    the checksum's row sums come from the values themselves when the block equals them (rows repeat: see
-    `_SyntheticBlocks`), so the file is read once, by the comparison."""
+    it has one (`Source.array`), synthetic values generated into scratch (`_SyntheticBlocks`), or `Source.read`
+    (`expected`, from `_expected_blocks`)."""
     scratch = scratch or _Scratch()
     count, first, csum, nbytes = 0, None, 0, 0
     # at most _MAX_ROWS rows per block: the per-row arrays (ids, sums, weights) stay small for narrow shards
@@ -369,13 +366,8 @@ def _compare(got_all: np.ndarray, expected, box: Box, shape: tuple, block_elems:
         rows = rowsum.row_ids(sub, shape)
         ncols = sizes[-1] if sizes else 1
         got2 = got.reshape(rows.size, ncols)  # a view: the block is dense in the shard
-        want, derived = expected(sub, rows, got2, scratch)
-        if isinstance(want, _WindowRows):
-            same = want.equal(got2, scratch)
-            if not same:
-                want = want.expand(scratch.like(got2))
-        else:
-            same = _same_bits(got2, want, scratch)
+        want = expected(sub, rows, got2, scratch)
+        same = _same_bits(got2, want, scratch)
         if not same:
             diff = got2 != want
             n = int(np.count_nonzero(diff))
@@ -384,14 +376,8 @@ def _compare(got_all: np.ndarray, expected, box: Box, shape: tuple, block_elems:
                     pos = int(np.argmax(diff.reshape(-1)))
                     first = [o + v for o, v in zip(sub.offsets, _unravel(pos, sizes))]
                 count += n
-            else:
-                same = True
         cs = rowsum.RowChecksum(sub, shape, got.itemsize, scratch.f64, rows)
-        sums = derived(cs) if derived is not None and same else None  # the source's own row sums, if it has them
-        if sums is not None:  # the file's rows are the source's, bit for bit: so are their checksum terms
-            cs.set_row_sums(0, sums)
-        else:
-            cs.update(0, got2)
+        cs.update(0, got2)
         csum += cs.value()
         nbytes += got.nbytes
     return count, first, csum & ((1 << 64) - 1), nbytes
@@ -409,12 +395,6 @@ class _Scratch:
         self.f64 = rowsum.checksum_buffer()
         self.flags = np.empty(_EQ_CHUNK, dtype=np.bool_)
         self._raw = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
-
-    def bools(self, n: int) -> np.ndarray:
-        """At least n booleans (the comparison's, reused)."""
-        if self.flags.size < n:
-            self.flags = np.empty(n, dtype=np.bool_)
-        return self.flags
 
     def like(self, x: np.ndarray, slot: int = 0) -> np.ndarray:
         """An uninitialised C-contiguous array of `x`'s shape and dtype whose address is `x`'s mod 8 (so the two
@@ -527,24 +507,21 @@ def _same_bits(got: np.ndarray, want: np.ndarray, scratch: _Scratch) -> bool:
 
 def _expected_blocks(src: Source, t: int, box: Box):
     """The source's values of `box`'s blocks, as raw bits: (a function (block, its global row ids, the file's
-    block as rows, scratch) -> (the source's block as rows [rows, last dim], a function giving its exact checksum
-    row sums or None), whether that function may run on worker threads). From a view of the source or synthetic
-    values generated into scratch (numpy only: any thread), or `src.read` of the block (the source's own code,
-    torch for most: the calling thread)."""
+    block as rows, scratch) -> the source's block as rows [rows, last dim], whether that function may run on
+    worker threads). From a view of the source or synthetic values generated into scratch (numpy only: any
+    thread), or `src.read` of the block (the source's own code, torch for most: the calling thread)."""
     spec = src.manifest.tensors[t]
     inside = len(box.sizes) == len(spec.shape) and all(
         0 <= o and o + s <= n for o, s, n in zip(box.offsets, box.sizes, spec.shape))
     if inside and not box.empty:  # else `read` raises the source's own error
         if isinstance(src, SyntheticSource):
-            scalar = Box((0,), (1,))  # a scalar is the 1-element tensor of the same flat index
-            fast = _SyntheticBlocks.make(t, spec.shape or (1,), spec.dtype, src.seed, box if spec.shape else scalar)
+            fast = _SyntheticBlocks.make(t, spec.shape, spec.dtype, src.seed)
             if fast is not None:
-                return (fast.block if spec.shape else
-                        lambda sub, rows, like, scratch: fast.block(scalar, rows, like, scratch)), True
+                return fast.block, True
         full = src.array(t)
         if full is not None:
-            return (lambda sub, rows, like, scratch: (_as_rows(full[sub.slices()], rows.size), None)), True
-    return (lambda sub, rows, like, scratch: (_as_rows(_bits(src.read(t, sub)), rows.size), None)), False
+            return (lambda sub, rows, like, scratch: _as_rows(full[sub.slices()], rows.size)), True
+    return (lambda sub, rows, like, scratch: _as_rows(_bits(src.read(t, sub)), rows.size)), False
 
 
 def _bits(x) -> np.ndarray:
@@ -559,174 +536,32 @@ def _as_rows(block: np.ndarray, nrows: int) -> np.ndarray:
     return block.reshape(nrows, -1) if block.ndim else block.reshape(1, 1)
 
 
-_PERIOD = 1 << 16
-
-
-class _WindowRows:
-    """A block of synthetic values by rows, row k = window[starts[k]] (a slice of one period, which stays in
-    cache), compared with the file's block without being copied: when the starts step evenly (a 2-D tensor's
-    consecutive rows) the rows repeat after m of them and the file's rows are compared m at a time against the m
-    distinct rows; else wide rows are compared one by one. Narrow rows that do not repeat are copied instead."""
-
-    # repeating rows: the m distinct rows at most this many elements (cache-sized); else rows this wide at least
-    MAX_PERIOD_ELEMS = 1 << 18
-    MIN_ROW = 1024
-
-    def __init__(self, window: np.ndarray, starts: np.ndarray, m: int | None):
-        self.window, self.starts, self.m = window, starts, m
-        self.shape = (starts.size, window.shape[1])
-
-    @staticmethod
-    def of(window: np.ndarray, starts: np.ndarray) -> "_WindowRows | None":
-        n, ncols = starts.size, window.shape[1]
-        if n >= 4:
-            step = int(starts[1] - starts[0]) & (_PERIOD - 1)
-            m = _PERIOD // math.gcd(step, _PERIOD)
-            if 2 * m <= n and m * ncols <= _WindowRows.MAX_PERIOD_ELEMS \
-                    and bool((((starts[1:] - starts[:-1]) & (_PERIOD - 1)) == step).all()):
-                return _WindowRows(window, starts, m)
-        return _WindowRows(window, starts, None) if ncols >= _WindowRows.MIN_ROW else None
-
-    def equal(self, got: np.ndarray, scratch: "_Scratch") -> bool:
-        n, ncols = got.shape
-        if self.m is None:  # row by row, each against its slice of the period
-            flags = scratch.bools(ncols)[:ncols]
-            return all(np.equal(got[i], self.window[st], out=flags).all()
-                       for i, st in enumerate(self.starts.tolist()))
-        m = self.m
-        a, b = got, self.window[self.starts[:m]]
-        if (ncols * got.itemsize) % 8 == 0:  # as int64 words (numpy reads unaligned words too)
-            a, b = a.view(np.int64), b.view(np.int64)
-        width = a.shape[1]
-        q = n // m
-        full = a[:q * m].reshape(q, m, width)
-        step = max(1, _EQ_CHUNK // (m * width))
-        flags = scratch.bools(step * m * width)
-        for i in range(0, q, step):
-            k = min(step, q - i)
-            if not np.equal(full[i:i + k], b[None], out=flags[:k * m * width].reshape(k, m, width)).all():
-                return False
-        return n == q * m or _equal(a[q * m:], b[:n - q * m], flags)
-
-    def expand(self, out: np.ndarray) -> np.ndarray:
-        """The whole block, written into `out` (shape [rows, ncols])."""
-        for i, st in enumerate(self.starts.tolist()):
-            out[i] = self.window[st]
-        return out
-
-
 class _SyntheticBlocks:
-    """`synthetic_values` of blocks of one tensor, at copy speed, and their checksum row sums (as raw bits).
+    """`synthetic_values` of blocks of one tensor as raw bits, generated by `sources.synthetic_fill` (the code
+    `SyntheticSource.read` runs, numpy only) into scratch aligned like the file's block: a 64-bit hash of every
+    element's global flat index, looked up in the dtype's table of values (`sources.synthetic_table`). The values
+    do not repeat at any period a misrouted element could hide in, so each one is computed; nothing is cached
+    between blocks but the table."""
 
-    The generator's hash keeps the low 16 bits of `i * 2654435761 ^ key` (i the global flat index, key from the
-    tensor index and the seed), and those depend on `i mod 2^16` only: the values repeat with period 2^16. So one
-    period, P[j] = value(hash(j)), holds every value, and a block's row that starts at flat index s is
-    P[s mod 2^16:][:ncols] (wrapping): row s mod 2^16 of a strided (2^16, ncols) window view of P repeated. One
-    `take` of the rows' starts copies the block. Tests check the period against the generator for every dtype.
-
-    Rows with the same start hold the same values, so the same checksum row sum (`rowsum.RowChecksum`), and a
-    2-D tensor's rows have few distinct starts (its width times the row number, mod 2^16: 256 of them for a
-    width of 256). When the file's block equals the values, each distinct row is summed once per tensor and
-    looked up for every row: the file is read once, by the comparison.
-    """
-
-    def __init__(self, period: np.ndarray, shape: tuple, rows: int):
-        self.period, self.shape, self.rows = period, shape, rows
-        self._windows: dict[int, np.ndarray] = {}
-        # (columns, first column) -> (exact checksum row sum of each window row, which of them are known)
-        self._sums: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    def __init__(self, table: np.ndarray, key: int, width: int):
+        self.table, self.key, self.width = table, key, width
 
     @staticmethod
-    def make(t: int, shape: tuple, dtype: str, seed: int, box: Box) -> "_SyntheticBlocks | None":
-        """For the blocks of shard `box` of tensor `t` of torch dtype name `dtype` (None: use the generator)."""
-        if not -(1 << 63) <= seed * 97 < (1 << 63):
-            return None  # the generator's int64 arithmetic would not take it: let it say so
-        tables = _synthetic_tables(dtype)
-        if tables is None:
+    def make(t: int, shape: tuple, dtype: str, seed: int) -> "_SyntheticBlocks | None":
+        """For tensor `t` of `shape` and torch dtype name `dtype` (None: a dtype without a table; `read` it)."""
+        table = synthetic_table(dtype)
+        if table is None:
             return None
-        base, values = tables
-        key = ((t + 1) * 40503) ^ (seed * 97)
-        rows = 1
-        for n in box.sizes[:-1]:
-            rows *= n
-        return _SyntheticBlocks(values[base ^ (key & 0xFFFF)], shape, rows)
+        return _SyntheticBlocks(table, synthetic_key(t, seed), shape[-1] if shape else 1)
 
-    def _window(self, ncols: int) -> np.ndarray:
-        w = self._windows.get(ncols)
-        if w is None:
-            ext = np.tile(self.period, -(-(_PERIOD + ncols) // _PERIOD))[:_PERIOD + ncols]
-            w = self._windows[ncols] = np.lib.stride_tricks.as_strided(
-                ext, (_PERIOD, ncols), (ext.itemsize, ext.itemsize), writeable=False)
-        return w
-
-    def block(self, sub: Box, rows: np.ndarray, like: np.ndarray, scratch: _Scratch):
-        """(The values of block `sub` (global row ids `rows`) as rows [rows, last dim]: a `_WindowRows`, or a copy
-        in scratch aligned like `like`; a function RowChecksum -> their exact row sums, or None when the shard's rows repeat too little
-        for that to pay)."""
-        ncols, col0 = sub.sizes[-1], sub.offsets[-1]
-        starts = (rows * self.shape[-1] + col0) & (_PERIOD - 1)  # flat index of each row's start, mod 2^16
-        window = self._window(ncols)
-        out = _WindowRows.of(window, starts)
-        if out is None:  # narrow rows that do not repeat: copy them
-            shape = (starts.size, ncols)
-            out = scratch.like(like) if like.dtype == self.period.dtype and tuple(like.shape) == shape \
-                else np.empty(shape, dtype=self.period.dtype)
-            np.copyto(out, window[starts])
-
-        def row_sums(cs: rowsum.RowChecksum) -> np.ndarray | None:
-            table = self._sums.get((ncols, col0))
-            if table is None:
-                table = self._sums[(ncols, col0)] = (np.zeros(_PERIOD, dtype=np.int64),
-                                                     np.zeros(_PERIOD, dtype=np.bool_))
-            sums, have = table
-            need = np.zeros(_PERIOD, dtype=np.bool_)
-            need[starts] = True
-            need &= ~have
-            todo = np.flatnonzero(need)
-            if 2 * todo.size > self.rows:  # the shard's rows hardly repeat: summing the file's costs less
-                return None
-            if todo.size:
-                sums[todo] = cs.row_sums(window[todo])
-                have[todo] = True
-            return sums[starts]
-        return out, row_sums
-
-
-@functools.lru_cache(maxsize=32)
-def _synthetic_tables(dtype: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """(base, values) with synthetic_values(t, flat index j) = values[base[j] ^ (key(t, seed) & 0xFFFF)] for j
-    in one period, as raw bits: base[j] = (j * 2654435761) & 0xFFFF and values[h] the value of hash h
-    (`sources.synthetic_values`' formula). numpy computes the types it has (bfloat16 rounded to nearest even from
-    float32, as torch does); the float8 types are cast by torch. None for a dtype neither knows."""
-    j = np.arange(_PERIOD, dtype=np.int64)
-    base = (j * 2654435761) & 0xFFFF
-    if dtype == "bool":
-        values = (j & 1).astype(np.int8)
-    elif dtype in _INTS:
-        values = (j % 127).astype(_INTS[dtype]).view(rowsum.bits_dtype(np.dtype(_INTS[dtype]).itemsize))
-    else:
-        f32 = j.astype(np.float32) / np.float32(32768) - np.float32(1)  # exact: 16 significant bits at most
-        if dtype == "float32":
-            values = f32.view(np.int32)
-        elif dtype == "float64":
-            values = f32.astype(np.float64).view(np.int64)
-        elif dtype == "float16":
-            values = f32.astype(np.float16).view(np.int16)
-        elif dtype == "bfloat16":  # round to nearest even (no NaN or infinity among these values)
-            b = f32.view(np.uint32)
-            values = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) \
-                .astype(np.uint16).view(np.int16)
-        else:
-            import torch
-
-            torch_dtype = getattr(torch, dtype, None)
-            if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
-                return None
-            values = _bits(torch.from_numpy(f32).to(torch_dtype))
-    return base, np.ascontiguousarray(values)
-
-
-_INTS = {"int8": np.int8, "uint8": np.uint8, "int16": np.int16, "int32": np.int32, "int64": np.int64}
+    def block(self, sub: Box, rows: np.ndarray, like: np.ndarray, scratch: _Scratch) -> np.ndarray:
+        """The values of block `sub` (global row ids `rows`) as rows [rows, last dim], in scratch aligned like
+        `like` (the file's block) when it has their shape and type."""
+        ncols, col0 = (sub.sizes[-1], sub.offsets[-1]) if sub.sizes else (1, 0)
+        shape = (rows.size, ncols)
+        out = scratch.like(like) if like.dtype == self.table.dtype and tuple(like.shape) == shape \
+            else np.empty(shape, dtype=self.table.dtype)
+        return synthetic_fill(out, rows * self.width + col0, self.key, self.table)
 
 
 __all__ = ["BLOCK_ELEMS", "Problem", "RankResult", "CheckResult", "blocks", "check_output"]

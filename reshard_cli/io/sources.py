@@ -18,6 +18,7 @@ import functools
 import math
 import pickle
 import re
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -42,20 +43,188 @@ _KEYS = {"synthetic": ("kind", "seed"), "safetensors": ("kind", "path"), "shards
 # ----------------------------------------------------------------------------------------------- synthetic values
 
 
+_M64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's constants
+
+
+def _fmix64(z: int) -> int:
+    """SplitMix64's output mix of a 64-bit integer (a bijection), on Python ints."""
+    z = ((z ^ (z >> 30)) * _MIX1) & _M64
+    z = ((z ^ (z >> 27)) * _MIX2) & _M64
+    return z ^ (z >> 31)
+
+
+def synthetic_key(t: int, seed: int = 0) -> int:
+    """The 64-bit key of tensor `t` under `seed` (any Python ints): every (t, seed) its own stream."""
+    return _fmix64(_fmix64((t + 1) & _M64) ^ (seed & _M64))
+
+
+def synthetic_hash(t: int, i: int, seed: int = 0) -> int:
+    """The 16-bit hash h of global flat index `i` of tensor `t`: lane i mod 4 of word i // 4 of the tensor's
+    SplitMix64 stream (the formula `synthetic_values` and `synthetic_fill` compute, spelled out on Python ints)."""
+    word = _fmix64((synthetic_key(t, seed) + (i >> 2) * _GOLDEN) & _M64)
+    return (word >> (16 * (i & 3))) & 0xFFFF
+
+
+@functools.lru_cache(maxsize=32)
+def synthetic_table(dtype: str) -> "np.ndarray | None":
+    """The value of every 16-bit hash h as raw bits (`rowsum.bits_dtype`: int16 for bfloat16, ...), read-only,
+    for a manifest dtype (a torch dtype name); None for another. floats: h / 32768 - 1 (exact in float32: 16
+    significant bits at most) rounded to nearest even into the dtype, as torch's cast does; ints h % 127; bool
+    h & 1. numpy computes the types it has (bfloat16 from float32 by its bits), torch the float8 types."""
+    import numpy as np
+
+    from reshard_cli.base import rowsum
+    h = np.arange(1 << 16, dtype=np.int64)
+    ints = {"int8": np.int8, "uint8": np.uint8, "int16": np.int16, "int32": np.int32, "int64": np.int64}
+    if dtype == "bool":
+        values = (h & 1).astype(np.int8)
+    elif dtype in ints:
+        values = (h % 127).astype(ints[dtype])
+    elif dtype in ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        f32 = h.astype(np.float32) / np.float32(32768) - np.float32(1)
+        if dtype == "float32":
+            values = f32
+        elif dtype == "float64":
+            values = f32.astype(np.float64)
+        elif dtype == "float16":
+            values = f32.astype(np.float16)
+        elif dtype == "bfloat16":  # round to nearest even (no NaN or infinity among these values)
+            b = f32.view(np.uint32)
+            values = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) \
+                .astype(np.uint16)
+        else:
+            import torch
+
+            from reshard_cli.base.checksums import numpy_bits
+            values = numpy_bits(torch.from_numpy(f32).to(getattr(torch, dtype)))
+    else:
+        return None
+    values = np.ascontiguousarray(values).view(rowsum.bits_dtype(values.itemsize))
+    values.flags.writeable = False
+    return values
+
+
+# elements per step of `synthetic_fill` (~6 MiB of words and indices): long enough that numpy's calls, which
+# release the GIL, dominate the Python between them, so the check's threads run side by side
+_FILL_STEP = 1 << 19
+
+
+_fill_local = threading.local()
+
+
+def _fill_buffers(words: int, elems: int) -> tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
+    """This thread's scratch for `synthetic_fill`: two arrays of at least `words` uint64, one of `elems` intp
+    (kept between calls: a block's steps and the next block's reuse them)."""
+    import numpy as np
+
+    bufs = getattr(_fill_local, "bufs", None)
+    if bufs is None or bufs[0].size < words or bufs[2].size < elems:
+        words, elems = max(words, bufs[0].size if bufs else 0), max(elems, bufs[2].size if bufs else 0)
+        bufs = _fill_local.bufs = (np.empty(words, dtype=np.uint64), np.empty(words, dtype=np.uint64),
+                                   np.empty(elems, dtype=np.intp))
+    return bufs
+
+
+def synthetic_fill(out: "np.ndarray", starts: "np.ndarray", key: int,
+                   table: "np.ndarray | None" = None) -> "np.ndarray":
+    """Write synthetic values into `out` ([rows, n], C-contiguous) and return it: row k holds global flat indices
+    starts[k] .. starts[k] + n - 1 of the tensor of `key` (`synthetic_key`), as table[h] (`synthetic_table`,
+    raw bits of out's dtype) or, table None, the hashes h themselves. numpy only (any thread, no torch).
+
+    Word q of the stream is SplitMix64's mix of key + q * 0x9E3779B97F4A7C15 (uint64 arithmetic, wrapping);
+    h of flat index i is its 16-bit lane i mod 4 (bits 16 (i mod 4) and up). Each step computes the words of
+    up to `_FILL_STEP` elements (a quarter of a word per element in long rows), in place."""
+    import numpy as np
+
+    rows, n = out.shape
+    if not out.size:
+        return out
+    if not out.flags.c_contiguous:
+        raise ValueError("synthetic_fill writes into a C-contiguous array")
+    starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+    if starts.size != rows:
+        raise ValueError(f"{starts.size} row starts for {rows} rows")
+    result = out
+    if rows > 1 and bool((starts[1:] - starts[:-1] == n).all()):  # consecutive rows: one run
+        out, starts, rows, n = out.reshape(1, rows * n), starts[:1], 1, rows * n
+    width = min(n, _FILL_STEP)  # columns per step
+    per = min(rows, max(1, _FILL_STEP // width))  # rows per step
+    words_per_row = (width + 6) // 4  # any starting lane
+    z, tmp, index = _fill_buffers(per * words_per_row, per * width)
+    steps = np.arange(words_per_row, dtype=np.uint64) * np.uint64(_GOLDEN)
+    key64, golden = np.uint64(key & _M64), np.uint64(_GOLDEN)
+    little = sys.byteorder == "little"
+    for r0 in range(0, rows, per):
+        r1 = min(rows, r0 + per)
+        for c0 in range(0, n, width):
+            m = min(width, n - c0)
+            first = starts[r0:r1] + c0
+            phase = first & 3
+            one = bool((phase == phase[0]).all())
+            k = (int(phase[0]) + m + 3) // 4 if one else (m + 6) // 4
+            w = z[:(r1 - r0) * k].reshape(r1 - r0, k)
+            tw = tmp[:w.size].reshape(w.shape)
+            base = (first >> 2).astype(np.uint64) * golden + key64
+            np.add(base[:, None], steps[None, :k], out=w)
+            np.right_shift(w, np.uint64(30), out=tw)  # SplitMix64's mix, in place
+            np.bitwise_xor(w, tw, out=w)
+            np.multiply(w, np.uint64(_MIX1), out=w)
+            np.right_shift(w, np.uint64(27), out=tw)
+            np.bitwise_xor(w, tw, out=w)
+            np.multiply(w, np.uint64(_MIX2), out=w)
+            np.right_shift(w, np.uint64(31), out=tw)
+            np.bitwise_xor(w, tw, out=w)
+            lanes = (w if little else w.byteswap()).view("<u2")  # lane j: bits 16j .. 16j + 15 of its word
+            dest = out[r0:r1, c0:c0 + m]
+            for p in ([int(phase[0])] if one else range(4)):
+                sel = slice(None) if one else np.flatnonzero(phase == p)
+                h = lanes[sel, p:p + m]
+                if not h.size:
+                    continue
+                if table is None:
+                    if one:
+                        np.copyto(dest, h, casting="unsafe")
+                    else:
+                        dest[sel] = h
+                    continue
+                idx = index[:h.size].reshape(h.shape)
+                np.copyto(idx, h, casting="unsafe")
+                if one:
+                    np.take(table, idx, out=dest, mode="wrap")
+                else:
+                    dest[sel] = np.take(table, idx, mode="wrap")
+    return result
+
+
 def synthetic_values(t: int, box: Box, shape: tuple, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """Deterministic values of global region `box` of tensor `t` (any rank can compute any expected value).
 
-    h = ((i * 2654435761) ^ ((t + 1) * 40503) ^ (seed * 97)) & 0xFFFF in int64, i the global flat index;
-    floats: h / 32768 - 1 cast to `dtype` (exact in fp32; rounded elementwise for narrower types, so still a
-    pure function of (t, i, seed)); ints: h % 127; bool: h & 1.
+    h = lane i mod 4 (bits 16 (i mod 4) .. + 15) of word i // 4 of a SplitMix64 stream keyed by (t, seed), i the
+    global flat index: word q = mix64(key(t, seed) + q * 0x9E3779B97F4A7C15) (`synthetic_hash` spells it out on
+    Python ints, `synthetic_fill` computes it in numpy). The words are a bijection of distinct states, so nothing
+    repeats at a power-of-two period (or any short one): data moved by any offset, 2^16 included, differs from
+    the right values about as often as random values would. floats: h / 32768 - 1 cast to `dtype` (exact in
+    fp32; rounded to nearest even for narrower types, so still a pure function of (t, i, seed)); ints: h % 127;
+    bool: h & 1. Computed on the CPU, through the dtype's table of values (`synthetic_table`).
     """
+    import numpy as np
     import torch
 
-    from reshard_cli.base.checksums import global_index
+    from reshard_cli.base import rowsum
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    idx = global_index(box, tuple(shape))
-    h = ((idx * 2654435761) ^ ((t + 1) * 40503) ^ (seed * 97)) & 0xFFFF
+    shape = tuple(shape)
+    if any(s == 0 for s in box.sizes):
+        return torch.empty(box.sizes, dtype=dtype)
+    ncols, col0 = (box.sizes[-1], box.offsets[-1]) if box.sizes else (1, 0)
+    starts = rowsum.row_ids(box, shape) * (shape[-1] if shape else 1) + col0
+    table = synthetic_table(str(dtype).removeprefix("torch."))
+    if table is not None:
+        bits = synthetic_fill(np.empty((starts.size, ncols), dtype=table.dtype), starts, synthetic_key(t, seed), table)
+        return torch.from_numpy(bits).view(dtype).reshape(box.sizes)
+    h = torch.from_numpy(synthetic_fill(np.empty((starts.size, ncols), dtype=np.int32), starts,
+                                        synthetic_key(t, seed))).reshape(box.sizes)
     if dtype == torch.bool:
         return (h & 1).bool()
     if dtype.is_floating_point:
@@ -773,4 +942,4 @@ def _open_path(kind: str, path: Path, shown: str, manifest: Manifest, *, file: s
 
 __all__ = ["KINDS", "Source", "SyntheticSource", "SafetensorsSource", "ShardsSource", "DcpSource",
            "MegatronDistSource", "open_source",
-           "synthetic_values"]
+           "synthetic_fill", "synthetic_hash", "synthetic_key", "synthetic_table", "synthetic_values"]

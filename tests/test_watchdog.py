@@ -47,13 +47,45 @@ def test_the_first_reported_fault_is_everyones(store):
     assert me.check() == Fault("refit rank 1 (trainer 1): the transfer failed (RuntimeError: boom)", (1,))
 
 
+class _Transport:
+    """A stand-in for a process group: a wait on it blocks until the group is shut down, then raises as gloo
+    does."""
+
+    def __init__(self):
+        self.ended = threading.Event()
+
+    def wait(self):
+        self.ended.wait()
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+
+    def shutdown(self):
+        self.ended.set()
+
+
+def test_a_wait_on_the_callers_thread_is_ended_by_the_monitor(store):
+    """No thread hop: the wait runs on the caller's thread; the monitor finds the fault while it is blocked and
+    shuts the group's process groups down, which ends the wait with the fault's line."""
+    me, peer = Watchdog(store, 0, 2), Watchdog(store, 1, 2)
+    guard = Guard(me)
+    transport = _Transport()
+    guard.abortables.append(transport)
+    threading.Timer(0.3, peer.report, args=(Fault("refit rank 1 (trainer 1): gone", (1,)),)).start()
+    with pytest.raises(GroupBroken) as e:
+        guard.run(transport.wait)
+    assert str(e.value) == "refit rank 1 (trainer 1): gone" and e.value.ranks == (1,)
+    assert transport.ended.is_set()
+    with pytest.raises(GroupBroken):
+        guard.run(lambda: None)
+    guard.close()
+
+
 def test_a_guarded_wait_ends_on_a_fault_and_the_group_stays_given_up(store):
     me, peer = Watchdog(store, 0, 2), Watchdog(store, 1, 2)
     guard = Guard(me)
-    blocked = threading.Event()  # never set: a wait on a peer that will not answer
+    blocked = threading.Event()  # never set: a wait on a peer that will not answer (not one an abort ends)
     threading.Timer(0.3, peer.report, args=(Fault("refit rank 1 (trainer 1): gone", (1,)),)).start()
     with pytest.raises(GroupBroken) as e:
-        guard.run(blocked.wait)
+        guard.run_aside(blocked.wait)
     assert str(e.value) == "refit rank 1 (trainer 1): gone" and e.value.ranks == (1,)
     with pytest.raises(GroupBroken):  # at once, without waiting again
         guard.run(lambda: None)
@@ -106,7 +138,7 @@ def test_an_operation_that_just_finished_is_not_given_up(store):
         time.sleep(0.05)
         return Fault("refit rank 0 stopped answering: the group's store, which that rank holds, is gone", (0,))
     me.check = store_gone
-    assert guard.run(last_round) == "agreed"
+    assert guard.run_aside(last_round) == "agreed"
     me.check = real_check
     guard.close()
 

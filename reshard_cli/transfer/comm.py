@@ -45,6 +45,11 @@ class _Comm:
         """A blocking call on the group (a wait, a collective), guarded when the group has a watchdog."""
         return fn(*args) if self.guard is None else self.guard.run(fn, *args)
 
+    def _aside(self, fn, *args):
+        """A blocking call that ending the group's process groups cannot end (a rendezvous on the store),
+        guarded from a helper thread."""
+        return fn(*args) if self.guard is None else self.guard.run_aside(fn, *args)
+
     def _work(self, op, *args) -> "_Work":
         return _Work(self, op(*args) if self.guard is None else self.guard.post(op, *args))
 
@@ -121,7 +126,10 @@ class WorldComm(_Comm):
         return self._work(dist.irecv, t, peer)
 
     def new_group(self, ranks: list[int]):
-        return dist.new_group(ranks)
+        group = dist.new_group(ranks)
+        if self.guard is not None and group is not None:
+            self.guard.abortables.append(group)
+        return group
 
     def broadcast(self, t: torch.Tensor, root: int, group) -> None:
         self.run(partial(dist.broadcast, t, src=root, group=group))
@@ -200,7 +208,7 @@ class GroupComm(_Comm):
         sub = None
         if self._rank in members:
             store = dist.PrefixStore(prefix, self._store)
-            sub = SubGroup(self.run(self._make_pg, store, members.index(self._rank), len(members)), members)
+            sub = SubGroup(self._aside(self._make_pg, store, members.index(self._rank), len(members)), members)
             if self.guard is not None:
                 self.guard.abortables.append(sub.pg)
         self._subgroups[members] = sub
@@ -322,7 +330,7 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     comm.name_ranks([names(r) if names else "" for r in range(size)])
     watchdog.start()
     try:  # the rendezvous is guarded too: a store that goes away under it (rank 0 failed) ends it in seconds
-        comm.pg = comm.run(comm._make_pg, prefixed, rank, size)  # the store (on rank 0, its server) lives as
+        comm.pg = comm._aside(comm._make_pg, prefixed, rank, size)  # the store (on rank 0, its server) lives as
     except BaseException:  # long as the group
         comm.close()
         raise

@@ -160,7 +160,9 @@ def _guard(device: torch.device, timeout: float) -> Guard:
     watchdog.store_client = store  # kept alive with the watchdog
     dist.barrier()
     watchdog.start()
-    return Guard(watchdog, device if device.type == "cuda" else None)
+    guard = Guard(watchdog, device if device.type == "cuda" else None)
+    guard.abortables.append(dist.group.WORLD)  # a fault shuts the job's group down: a blocked wait ends
+    return guard
 
 
 def _named(e: GroupBroken) -> ReshardError:

@@ -192,37 +192,66 @@ def stale(store) -> bool:
 
 
 class Guard:
-    """The waits of one group, ended early by its watchdog: each blocking call runs on a helper thread while
-    the caller polls the watchdog; the first fault raises GroupBroken here, and every later call at once.
-    `abortables`: the group's process groups, ended when the group is given up (NCCL's abort, gloo's
-    shutdown), so nothing stays blocked in them."""
+    """The waits of one group, ended early by its watchdog; the first fault raises GroupBroken, and every later
+    call at once.
+
+    `run(fn)`: a call on the group's process groups, made on the caller's own thread (no hop: a refit waits on
+    many messages), while a monitor thread checks the watchdog every POLL seconds for as long as a call has
+    been blocked; on a fault it gives the group up, which ends its process groups (`abortables`: NCCL's
+    abort, gloo's shutdown) and so the blocked call, which then raises the fault's line. `run_aside(fn)`: a
+    call that ending the process groups cannot end (a rendezvous waiting on the store) runs on a helper
+    thread while the caller polls the watchdog itself."""
 
     def __init__(self, watchdog: Watchdog, device=None):
         self.watchdog = watchdog
         self.device = device  # a CUDA device: the helper thread works on it too
         self.broken: GroupBroken | None = None
         self.abortables: list = []
+        self._lock = threading.Lock()  # one fault gives the group up, from the caller or from the monitor
+        self._blocked_since: float | None = None  # when the caller's current `run` began
+        self._monitor_stop = threading.Event()
+        self._monitor_thread: threading.Thread | None = None
         self._calls: queue.SimpleQueue | None = None  # to the helper thread (a daemon: a process may exit while
-        # it is still blocked in the transport of a group given up)
+        # it is still blocked in a rendezvous of a group given up)
         self._helper_thread: threading.Thread | None = None
 
-    def _helper(self, calls: queue.SimpleQueue) -> None:
-        if self.device is not None and getattr(self.device, "type", "cpu") == "cuda":
-            import torch
-
-            torch.cuda.set_device(self.device)
-        while True:
-            item = calls.get()
-            if item is None:
-                return
-            fn, args, done = item
-            try:
-                done.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                done.set_exception(e)
-
     def run(self, fn, *args):
-        """`fn(*args)` (a wait, or a blocking collective), ended early (GroupBroken) by a fault."""
+        """`fn(*args)` (a wait, or a blocking collective on the group's process groups), on this thread; ended
+        early (GroupBroken) by a fault the monitor finds while it is blocked."""
+        if self.broken is not None:
+            raise self.broken
+        if self._monitor_thread is None:
+            self._monitor_thread = threading.Thread(target=self._monitor, daemon=True,
+                                                    name=f"reshard-monitor-{self.watchdog.rank}")
+            self._monitor_thread.start()
+            _LIVE.add(self)
+        self._blocked_since = time.monotonic()
+        try:
+            return fn(*args)
+        except GroupBroken:
+            raise
+        except Exception as e:  # noqa: BLE001 - the transport's own error, or the monitor's abort: whose fault?
+            if self.broken is not None:
+                raise self.broken from None
+            self.fail(self.watchdog.cause(e))
+        finally:
+            self._blocked_since = None
+
+    def _monitor(self) -> None:
+        while not self._monitor_stop.wait(POLL):
+            since = self._blocked_since
+            if since is None or self.broken is not None or time.monotonic() - since < POLL:
+                continue
+            fault = self.watchdog.check()
+            if fault and self._blocked_since == since:  # still the same call: an operation that has just
+                try:  # finished is not given up (rank 0, the store's host, may leave right after a last round)
+                    self.fail(fault)
+                except GroupBroken:
+                    pass  # the blocked call raises it
+
+    def run_aside(self, fn, *args):
+        """`fn(*args)` on the helper thread while this thread polls the watchdog: for a call that ending the
+        process groups cannot end (a rendezvous on the store)."""
         if self.broken is not None:
             raise self.broken
         if self._calls is None:
@@ -238,12 +267,27 @@ class Guard:
                 return done.result(timeout=POLL)
             except FutureTimeout:
                 fault = self.watchdog.check()
-                if fault and not done.done():  # an operation that has just finished is not given up: a peer
-                    self.fail(fault)  # (rank 0, the store's host) may leave right after the last round
+                if fault and not done.done():  # an operation that has just finished is not given up
+                    self.fail(fault)
             except GroupBroken:
                 raise
-            except Exception as e:  # noqa: BLE001 - the transport's own error: whose fault was it?
+            except Exception as e:  # noqa: BLE001 - the call's own error: whose fault was it?
                 self.fail(self.watchdog.cause(e))
+
+    def _helper(self, calls: queue.SimpleQueue) -> None:
+        if self.device is not None and getattr(self.device, "type", "cpu") == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)
+        while True:
+            item = calls.get()
+            if item is None:
+                return
+            fn, args, done = item
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
 
     def sync(self, event, *, what: str = "a CUDA stream") -> None:
         """Wait for a CUDA `event` (recorded after the work to wait for: `torch.cuda.Event.record()`; anything
@@ -277,13 +321,14 @@ class Guard:
 
     def fail(self, fault: Fault, *, report: bool = True):
         """Give the group up with `fault` (told to every other rank first); raises GroupBroken."""
-        if self.broken is None:
-            self.broken = GroupBroken(fault.line, fault.ranks)
-            if report:
-                self.watchdog.report(fault)  # first: a peer that sees the connections close reads why
-            self.abort()
-            if self._calls is not None:
-                self._calls.put(None)  # its thread ends after the call it was blocked in (aborted above)
+        with self._lock:
+            if self.broken is None:
+                if report:
+                    self.watchdog.report(fault)  # first: a peer that sees the connections close reads why
+                self.broken = GroupBroken(fault.line, fault.ranks)
+                self.abort()
+                if self._calls is not None:
+                    self._calls.put(None)  # its thread ends after the call it was blocked in (aborted above)
         raise self.broken
 
     def abort(self) -> None:
@@ -298,7 +343,13 @@ class Guard:
         blocked in one of them returns)."""
         self.watchdog.mark_closed()
         self.watchdog.close()
-        self.abort()
+        self._monitor_stop.set()
+        if self._monitor_thread is not None and self._monitor_thread is not threading.current_thread():
+            self._monitor_thread.join(timeout=POLL + 5)
+        self._monitor_thread = None
+        if self.broken is not None:
+            self.abort()  # a helper thread may still be blocked in them
+        self.abortables = []
         if self._calls is not None:
             if self.broken is None:
                 self._calls.put(None)
@@ -308,8 +359,15 @@ class Guard:
 
 
 def _end(pg) -> None:
-    """Shut a process group down for good (NCCL: abort its communicators; gloo: close its connections)."""
-    name = "abort" if "NCCL" in type(pg).__name__ else "shutdown"
+    """Shut a process group down for good (NCCL: abort its communicators; gloo: close its connections, which
+    also ends a call blocked in one of them)."""
+    kind = type(pg).__name__
+    if kind == "ProcessGroup":  # torch.distributed's wrapper (the default group, `new_group`'s): by backend
+        try:
+            kind = dist.get_backend(pg)
+        except Exception:  # noqa: BLE001 - no longer registered
+            kind = ""
+    name = "abort" if "nccl" in kind.lower() else "shutdown"
     try:
         getattr(pg, name)()
     except Exception:  # noqa: BLE001 - already ended, or a version without it: nothing more to do

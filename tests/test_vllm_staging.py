@@ -48,6 +48,12 @@ class _Client(_Lockstep):
     def __init__(self):
         self.versions = []
 
+    def pause(self):  # a partial update pauses the engine's generation until a complete one lands
+        self.versions.append("paused")
+
+    def resume(self):
+        self.versions.append("resumed")
+
     def finish_weight_update(self, weight_version=None):
         if weight_version is not None:
             self.versions.append(weight_version)
@@ -299,8 +305,8 @@ def test_staged_refit_commits_whole_groups_or_nothing(tmp_path):
         assert "refit rank 2 (vLLM worker 0): checksums differ" in steps[2][1], steps[2]
         assert "refit rank 3 (vLLM worker 1): MemoryError: simulated" in steps[3][1], steps[3]
         groups = steps[0][1]
-        if rank == 0:  # the rank that drives the engine sets its weight version
-            assert versions == ["step-0", f"step-3+partial-2of{groups}", "step-4"], versions
+        if rank == 0:  # the rank that drives the engine sets its weight version, and pauses a partial engine
+            assert versions == ["step-0", f"step-3+partial-2of{groups}", "paused", "step-4", "resumed"], versions
 
 
 def test_a_failed_or_stalled_rank_is_named_and_the_next_refit_lands(tmp_path):
@@ -412,8 +418,9 @@ def test_a_commit_never_fails_half_way_and_the_group_is_retried_in_place(tmp_pat
         assert not any("stopped answering" in str(s) for s in (ok, third, last, setup, again)), rank
         if rank == 0:
             groups = ok[1]
-            assert versions == ["step-0", f"step-1+partial-2of{groups}", f"step-2+partial-{groups - 1}of{groups}",
-                                "step-4"], versions
+            # paused at the first partial update; a failure that commits nothing leaves it paused (still a mix)
+            assert versions == ["step-0", f"step-1+partial-2of{groups}", "paused",
+                                f"step-2+partial-{groups - 1}of{groups}", "step-4", "resumed"], versions
 
 
 def test_ten_fault_and_retry_cycles_on_one_port_leak_nothing(tmp_path):

@@ -79,7 +79,6 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         self = cls(client=clients[0], source=source, is_sender=init_info.is_sender)
         self.clients = clients if self.is_sender else []
         self.info, self._fleet_figures = init_info, None
-        self.paused: list = []  # the clients this engine paused after a partial update (resumed by a complete one)
         if init_info.on_partial not in ("pause", "serve"):
             raise ValueError(f"reshard: on_partial must be 'pause' or 'serve', not {init_info.on_partial!r}")
         trainer_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -184,9 +183,9 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         finally:
             for call in calls:
                 try:
-                    call.join()
+                    call.join(timeout=self.info.timeout)
                 except RuntimeError:
-                    pass  # the workers' own error, gathered above, says more
+                    pass  # the workers' own error, gathered above, says more (or the engine never answered)
         seconds = time.perf_counter() - t0
         workers = [s for s in everyone if s is not None and "worker" in s]
         trainers = [s for s in everyone if s is not None and "trainer" in s]
@@ -205,7 +204,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             changed = failure is None or failure.partial
             for client in self.clients:
                 self._finish_update(client, version, failure is None and failed is None, changed=changed)
-            paused = self._pause_or_resume(partial=failure is not None and failure.partial and not landed)
+            paused = self._pause_or_resume(partial=failure is not None and failure.partial and not landed,
+                                           complete=failure is None and failed is None)
         if failure is not None:
             if failure.broken:  # the group is given up: the next refit needs a new trainer_init
                 self.shutdown()
@@ -218,20 +218,21 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                 "weight_version": version, "held": held, **fleet_report(trainers, workers),
                 "fleet": self.fleet_figures() if self.is_sender else None}
 
-    def _pause_or_resume(self, *, partial: bool) -> bool:
+    def _pause_or_resume(self, *, partial: bool, complete: bool) -> bool:
         """After an update that left the engines on a mix of two steps: pause their generation (vLLM's pause
         route, requests kept queued) unless `on_partial: serve`; after a complete one: resume what this
-        engine paused. Whether the engines are paused now."""
+        engine paused (a failure that committed nothing leaves them as they were: still a mix). Whether the
+        engines are paused now."""
         if partial and self.info.on_partial == "pause":
             for client in self.clients:
-                if client not in self.paused and _quietly(control, client, "pause", "mode=keep"):
-                    self.paused.append(client)
-            return bool(self.paused)
-        if not partial:
-            for client in self.paused:
-                _quietly(control, client, "resume")
-            self.paused = []
-        return bool(self.paused)
+                if _engine_key(client) not in _PAUSED and _quietly(control, client, "pause", "mode=keep"):
+                    _PAUSED.add(_engine_key(client))
+        elif complete:
+            for client in self.clients:
+                if _engine_key(client) in _PAUSED:
+                    _quietly(control, client, "resume")
+                    _PAUSED.discard(_engine_key(client))
+        return any(_engine_key(c) in _PAUSED for c in self.clients)
 
     def _finish_update(self, client, version: str | None, ok: bool, *, changed: bool) -> None:
         """The engine's finish_weight_update, and what a changed model needs: the new weight version, and the
@@ -332,6 +333,16 @@ def _own_error(src, tensors: Mapping[str, torch.Tensor], rank: int) -> str | Non
     held = {src.manifest.tensors[t].name for t, box in src.held(rank) if box.numel}
     missing = sorted(held - set(named))
     return f"the trainer does not hold {missing[0]!r}" if missing else None
+
+
+_PAUSED: set = set()  # the engines reshard paused after a partial update, until a complete one (across
+# trainer_init: the engine stays paused when the trainer joins a new group after a failure); only what reshard
+# paused is resumed
+
+
+def _engine_key(client):
+    """An engine by its server's URL (a new client of the same server is the same engine), else its client."""
+    return getattr(client, "base_url", None) or id(client)
 
 
 def _quietly(fn, *args):

@@ -9,6 +9,7 @@ layout, see `repack_experts` in reshard_cli/engines/vllm/cpu_repairs.py.) At the
     python examples/vllm_refit.py                                   # Qwen3-MoE and Qwen3 (tied), TP1 and TP2
     python examples/vllm_refit.py --model qwen3-moe --tp 2 --steps 3 --json refit.json
     python examples/vllm_refit.py --model qwen3-moe --tp 1 --replicas 2 --json fleet.json   # a fleet of 2
+    python examples/vllm_refit.py --faults --json faults.json       # faults, then a retry in place (TP2)
 
 With `--replicas N` the engine is a fleet of N `LLM`s (as N servers are), refit together in one refit: a
 topology puts every replica in one NVLink domain, so the trainer sends each byte once and the replicas forward
@@ -157,7 +158,7 @@ def fleet_topology(tp: int, replicas: int) -> str:
 
 
 def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path: str, stage_mb=None,
-            replicas: int = 1):
+            replicas: int = 1, port: str | None = None):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from reshard_cli.engines import vllm as vb
@@ -165,7 +166,7 @@ def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path
     vb.register()
     mesh = f"{{tp: {tp}}}" if replicas == 1 else f"{{dp: {replicas}, tp: {tp}}}"
     info = vb.ReshardTrainerInitInfo(
-        host="127.0.0.1", port=ports[path if stage_mb is None else "bad"], rank=trainer.rank, path=path,
+        host="127.0.0.1", port=ports[port or path], rank=trainer.rank, path=path,
         stage_mb=stage_mb, topology=fleet_topology(tp, replicas),
         src=src_layout(model_dir),
         dst=f"model: {os.path.join(model_dir, 'config.json')}\nformat: vllm\nmesh: {mesh}\n")
@@ -173,17 +174,18 @@ def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path
                                                      source=vb.ReshardSource(trainer.checkpoint_tensors))
 
 
-def trainer_rank1(model_dir: str, tp: int, ports: dict, steps: int, baseline_iters: int, replicas: int) -> None:
+def trainer_rank1(model_dir: str, tp: int, ports: dict, steps: int, baseline_iters: int, replicas: int,
+                  stage_mb: float | None = None) -> None:
     """Trainer rank 1: the same calls as rank 0, in the same order, without the engine."""
     trainer = Trainer(1, model_dir, ports["trainer"])
-    engine = engines(trainer, None, model_dir, tp, ports, "reshard", replicas=replicas)
+    engine = engines(trainer, None, model_dir, tp, ports, "reshard", replicas=replicas, stage_mb=stage_mb)
     engine.send_weights()
     for step in range(steps):
         trainer.step(step)
         engine.send_weights()
         trainer.save(None)
     try:  # the failed init rank 0 makes, on this side too
-        engines(trainer, None, model_dir, tp, ports, "reshard", stage_mb=-1, replicas=replicas)
+        engines(trainer, None, model_dir, tp, ports, "reshard", stage_mb=-1, replicas=replicas, port="bad")
     except Exception:  # noqa: BLE001
         pass
     full = engines(trainer, None, model_dir, tp, ports, "full", replicas=replicas)
@@ -246,23 +248,47 @@ def summarize(report: dict) -> dict:
             "direct_bytes_fraction": sum(w["direct_bytes"] for w in workers) / max(1, sum(received)),
             "engine_repacked_bytes": sum(w["processed_bytes"] for w in workers),
             "replica_seconds": [r["seconds"] for r in report.get("replicas", [])],
-            "checksums_ok": report["trainer"]["checksums_ok"]}
+            "checksums_ok": report["trainer"]["checksums_ok"],
+            # staging, as the workers measured it: the most any worker held at once, against the budget
+            "peak_staged_bytes": max(w.get("peak_staged_bytes") or 0 for w in workers),
+            "stage_budget_bytes": workers[0].get("stage_budget_bytes"),
+            "largest_layer_bytes": max(w.get("largest_layer_bytes") or 0 for w in workers),
+            "worker_weight_bytes": max(w.get("worker_weight_bytes") or 0 for w in workers),
+            "groups": max(w.get("groups") or 1 for w in workers),
+            "committed": min(w.get("committed_groups") or 0 for w in workers)}
 
 
-def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, replicas: int = 1) -> dict:
+def stage_budget_mb(model_dir: str, tp: int, layers: float | None) -> float | None:
+    """A staging budget of `layers` times the largest layer (per worker), in MiB; None: the default."""
+    if layers is None:
+        return None
+    from reshard_cli.formats import load_layout
+    from reshard_cli.plan.groups import layer_groups
+
+    path = os.path.join(model_dir, "engine.yaml")
+    with open(path, "w") as f:
+        f.write(f"model: {os.path.join(model_dir, 'config.json')}\nformat: vllm\nranks: 2-{1 + tp}\n"
+                f"mesh: {{tp: {tp}}}\n")
+    return layers * max(u.nbytes for u in layer_groups(load_layout(path), 1)) / (1 << 20)
+
+
+def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, replicas: int = 1,
+             num_layers: int | None = None, stage_layers: float | None = None) -> dict:
     import torch.multiprocessing as mp
 
     from reshard_cli.base.ports import free_port
     from reshard_cli.engines.vllm.clients import LLMClient
 
-    model_dir = make_model(kind, root)
+    config = dict(CONFIGS[kind], num_hidden_layers=num_layers) if num_layers else None
+    model_dir = make_model(kind, root, config=config)
+    stage_mb = stage_budget_mb(model_dir, tp, stage_layers)
     ports = {"trainer": free_port(), "reshard": free_port(), "full": free_port(), "bad": free_port()}
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     rank1 = mp.get_context("spawn").Process(target=trainer_rank1,
-                                            args=(model_dir, tp, ports, steps, baseline_iters, replicas))
+                                            args=(model_dir, tp, ports, steps, baseline_iters, replicas, stage_mb))
     rank1.start()
     tag = f"[{kind} tp{tp}{f' x{replicas} replicas' if replicas > 1 else ''}]"
     t0 = time.perf_counter()
@@ -271,7 +297,7 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, rep
     print(f"{tag} engine(s) up in {time.perf_counter() - t0:.0f} s", flush=True)
     client = [LLMClient(x) for x in llms] if replicas > 1 else LLMClient(llm)
     trainer = Trainer(0, model_dir, ports["trainer"])
-    engine = engines(trainer, client, model_dir, tp, ports, "reshard", replicas=replicas)
+    engine = engines(trainer, client, model_dir, tp, ports, "reshard", replicas=replicas, stage_mb=stage_mb)
     first = summarize(engine.send_weights())  # the initial weights again; builds the plan
     print(f"{tag} first refit (plan built): {first['refit_seconds']:.3f} s", flush=True)
     initial = generate(llm)
@@ -293,6 +319,9 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, rep
             f", trainer sent {row['wire_bytes'] / 1e6:.2f} MB (minimum {row['min_wire_bytes'] / 1e6:.2f} MB; one "
             f"refit per replica {row['separate_refits_wire_bytes'] / 1e6:.2f} MB, gather->broadcast "
             f"{row['broadcast_wire_bytes'] / 1e6:.2f} MB), replicas forwarded {row['forwarded_bytes'] / 1e6:.2f} MB")
+        print(f"{tag} step {step + 1}: staged at most {row['peak_staged_bytes'] / 1e6:.2f} MB per worker (budget "
+              f"{(row['stage_budget_bytes'] or 0) / 1e6:.2f} MB, largest layer {row['largest_layer_bytes'] / 1e6:.2f} "
+              f"MB, all weights {row['worker_weight_bytes'] / 1e6:.2f} MB) in {row['groups']} groups", flush=True)
         print(f"{tag} step {step + 1}: loss {loss:.3f}, refit {row['refit_seconds']:.3f} s, "
               f"{row['wire_bytes'] / 1e6:.2f} MB on the wire, {row['bytes_into_each_worker'] / 1e6:.2f} MB into "
               f"each worker, direct {row['direct_bytes_fraction']:.0%}, engine repacked "
@@ -302,7 +331,7 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, rep
     # a failed init (a bad option, refused on every side) must not keep the engine from refitting again: vLLM
     # 0.32 would answer the next call with the failed one's queued replies if every worker raised
     try:
-        engines(trainer, client, model_dir, tp, ports, "reshard", stage_mb=-1, replicas=replicas)
+        engines(trainer, client, model_dir, tp, ports, "reshard", stage_mb=-1, replicas=replicas, port="bad")
         refused = None
     except Exception as e:  # noqa: BLE001
         refused = str(e)
@@ -324,7 +353,7 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, rep
     rank1.join(timeout=120)
     del llm, llms
     return {"model": kind, "tp": tp, "replicas": replicas, "first_refit_seconds": first["refit_seconds"], "steps": out,
-            "baseline": baseline, "refused_init": refused}
+            "baseline": baseline, "refused_init": refused, "layers": num_layers, "stage_mb": stage_mb}
 
 
 def main() -> int:
@@ -334,6 +363,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--replicas", type=int, default=1, help="a fleet of N LLMs refit together (one NVLink domain)")
     ap.add_argument("--baseline-iters", type=int, default=2)
+    ap.add_argument("--layers", type=int, help="decoder layers of the tiny model (default: 2)")
+    ap.add_argument("--stage-layers", type=float,
+                    help="staging budget per worker, in largest layers (1.5: at least four groups for four layers)")
+    ap.add_argument("--faults", action="store_true",
+                    help="the fault matrix against a TP2 engine, each fault retried in place (examples/vllm_faults.py)")
     ap.add_argument("--json", help="write {\"cases\": [...], \"steps\": [...]} here")
     ap.add_argument("--workdir", help="where the models and per-step checkpoints go (default: a temp dir)")
     ap.add_argument("--reference", metavar="CKPT", help=argparse.SUPPRESS)  # internal: one fresh engine's output
@@ -341,11 +375,24 @@ def main() -> int:
     if args.reference:
         print(json.dumps(generate(make_engine(args.reference, args.tp[0]))))
         return 0
+    if args.faults:
+        import vllm_faults
+
+        with tempfile.TemporaryDirectory(prefix="vllm-faults-") as tmp:
+            result = vllm_faults.run_faults(args.workdir or tmp)
+        ok = vllm_faults.passed(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**result, "passed": ok}, f, indent=1)
+        print(f"leaked threads {result['leaked_threads']}, file descriptors {result['leaked_fds']}")
+        print("every fault named, held alike everywhere, identical to vLLM's loader, and retried in place"
+              if ok else "FAULT MATRIX FAILED: see the lines above")
+        return 0 if ok else 1
     kinds = list(CONFIGS) if args.model == "all" else [args.model]
     with tempfile.TemporaryDirectory(prefix="vllm-refit-") as tmp:
         root = args.workdir or tmp
-        cases = [run_case(k, tp, args.steps, args.baseline_iters, root, args.replicas) for k in kinds
-                 for tp in args.tp]
+        cases = [run_case(k, tp, args.steps, args.baseline_iters, root, args.replicas, args.layers, args.stage_layers)
+                 for k in kinds for tp in args.tp]
     steps = [dict(model=c["model"], tp=c["tp"], replicas=c["replicas"], **s) for c in cases for s in c["steps"]]
     ok = all(s["identical"] and s["checksums_ok"] for s in steps) and all(c["baseline"]["identical"] for c in cases)
     if args.json:

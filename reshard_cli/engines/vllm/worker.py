@@ -32,8 +32,7 @@ import torch.distributed as dist
 
 from reshard_cli.engines.vllm import compat, cpu_repairs, full
 from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
-                                                refit_topology,
-                                                stage_mb)
+                                                refit_topology, stage_mb)
 from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
 from reshard_cli.errors import ConfigError, ReshardError
@@ -183,7 +182,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         t = self.target
         return {"peak_staged_bytes": t.peak_staged_bytes, "stage_budget_bytes": self.refit.stage_bytes,
                 "largest_group_bytes": t.largest_group_bytes, "largest_layer_bytes": t.largest_layer_bytes,
-                "worker_weight_bytes": t.staged_bytes}
+                "worker_weight_bytes": t.weight_bytes}
 
     def update_weights(self, update_info) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # CPU or GPU: the refit synchronizes

@@ -119,20 +119,6 @@ def mixed_checkpoint(prev: str, new: str, groups, committed: int, out: str) -> s
     return out
 
 
-def budget_mb(model_dir: str) -> float:
-    """A staging budget of 1.5 layers: at least four groups for four layers."""
-    from reshard_cli.formats import load_layout
-    from reshard_cli.plan.groups import layer_groups
-
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(f"model: {os.path.join(model_dir, 'config.json')}\nformat: vllm\nranks: 2-3\nmesh: {{tp: 2}}\n")
-    largest = max(u.nbytes for u in layer_groups(load_layout(f.name), 1))
-    os.unlink(f.name)
-    return 1.5 * largest / (1 << 20)
-
-
 def faults_rank1(model_dir: str, ports: dict, stage_mb: float) -> None:
     """Trainer rank 1: the same calls as rank 0 in the same order; injects the faults that name it."""
     import vllm_refit as vr
@@ -191,7 +177,7 @@ def run_faults(root: str) -> dict:
     cloudpickle.register_pickle_by_value(vllm_faults)  # the workers run these functions without this folder
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # vLLM's collective_rpc of a function: our own engine
     model_dir = vr.make_model("qwen3-moe", root, config=dict(vr.CONFIGS["qwen3-moe"], num_hidden_layers=4))
-    stage_mb = budget_mb(model_dir)
+    stage_mb = vr.stage_budget_mb(model_dir, 2, 1.5)  # 1.5 layers: at least four groups for four layers
     port = free_port()
     ports = {"trainer": free_port(), "reshard": port, "bad": port}  # every init on the same port
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

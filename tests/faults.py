@@ -31,7 +31,9 @@ class Faults(run.Hooks):
         for kind, target in self.faults:  # stall:RANK:SECONDS - stopped (SIGSTOP) that long, then continued
             if kind == "stall" and target.split(":")[0] == str(rank):
                 seconds = target.split(":")[1]
-                subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+                # a session of its own: torchrun's stop of the worker's process group must not end it (a
+                # stopped worker that never continues is SIGKILLed by torchrun 30 s after its SIGTERM)
+                subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
 
     def after_transfer(self, rank: int, dst_shards: dict) -> None:

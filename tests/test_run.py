@@ -78,10 +78,11 @@ def test_dead_rank_fails_every_rank(tmp_path):
 def test_stalled_rank_is_named(tmp_path, stalled):
     """A worker stopped (SIGSTOP) before its first byte: the job's watchdog names it in one line (half of
     --timeout without a heartbeat) and the job ends, rather than a peer timing out and naming itself. Rank 0
-    stalled too: another rank says it."""
+    stalled too: another rank says it. (--timeout 10: a rank silent 5 s is named; it continues at 15 s and
+    takes torchrun's stop then.)"""
     out = tmp_path / "out"
-    r = reshard("run", "--src", TRAIN, "--dst", INFER, "--quiet", "--no-link-test", "--timeout", "20",
-                "--out", out, faults=f"stall:{stalled}:40")
+    r = reshard("run", "--src", TRAIN, "--dst", INFER, "--quiet", "--no-link-test", "--timeout", "10",
+                "--out", out, faults=f"stall:{stalled}:15")
     assert r.returncode == 1, r.stdout + r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr

@@ -207,3 +207,41 @@ def test_a_rank_whose_setup_failed_is_named_at_the_first_collective(tmp_path):
     for rank in (0, 2, 3, 4):
         assert results[rank].startswith("refit rank 1: its set-up failed:"), results[rank]
         assert "missing-topology.yaml" in results[rank], results[rank]
+
+
+def _fails_mid_transfer(rank, world, src_path, dst_path):
+    import time
+
+    from reshard_cli.errors import ReshardError
+    from reshard_cli.formats import load_pair
+    from reshard_cli.transfer.live import Refit
+
+    src, dst = load_pair(src_path, dst_path)
+    layout = src if rank in src.ranks else dst
+    tensors = {s.name: torch.zeros(layout.placements[t].box_of(s.shape, rank).sizes, dtype=getattr(torch, s.dtype))
+               for t, s in enumerate(layout.manifest.tensors) if rank in layout.placements[t].holder_set}
+    refit = Refit(role="src" if rank in src.ranks else "dst", src=src_path, dst=dst_path)
+    if rank == 1:  # this source rank fails before its first byte: its peers wait on bytes that never come
+        def failing(part):
+            raise RuntimeError("simulated: the shards could not be read")
+        refit._move = failing
+    t0 = time.monotonic()
+    try:
+        refit(tensors, verify_checksums=True)  # every rank ends in the verification's collective
+        return "no error", 0.0
+    except ReshardError as e:
+        return str(e), time.monotonic() - t0
+    finally:
+        refit.close()
+
+
+def test_a_failure_mid_transfer_over_the_default_group_is_told_to_every_rank(tmp_path):
+    """A Refit over the default group of the user's own job (no launcher of ours, no watchdog set): one rank
+    fails in the middle of the transfer. Its peers, blocked on its bytes, are told by the watchdog the Refit
+    keeps over the job's store and end with its line, instead of at gloo's timeout (30 minutes here)."""
+    src, dst = write_pair(tmp_path, "tp2_to_tp3")
+    results = run_ranks(5, _fails_mid_transfer, str(src), str(dst), timeout=90)
+    print({r: (round(s, 2), line) for r, (line, s) in results.items()})
+    for rank in range(5):
+        line, _seconds = results[rank]
+        assert line.startswith("refit rank 1: the transfer failed (RuntimeError: simulated"), (rank, line)

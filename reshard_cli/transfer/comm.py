@@ -420,3 +420,22 @@ def _abandon(store, rank: int, size: int, grace: float) -> None:
 
 
 WORLD = WorldComm()
+
+
+def world_guard(device: torch.device | None, *, stall: float, label: str, prefix: str = "") -> Guard | None:
+    """A watchdog over the default process group, on the store it was made with when the job set it up from
+    the environment (torchrun, or MASTER_ADDR/MASTER_PORT: a client connection of its own); None when it did
+    not. Its heartbeat key exists at once; start it (`Watchdog.start`) once every rank has made its own (after
+    a collective). A fault shuts the default group down: a wait blocked in it ends. `prefix`: keys of their
+    own on that store."""
+    import os
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or not dist.is_initialized():
+        return None
+    client = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=60))
+    watchdog = Watchdog(client, dist.get_rank(), dist.get_world_size(), stall=stall, label=label, prefix=prefix)
+    watchdog.store_client = client  # kept alive with the watchdog
+    guard = Guard(watchdog, device if device is not None and device.type == "cuda" else None)
+    guard.abortables.append(dist.group.WORLD)
+    return guard

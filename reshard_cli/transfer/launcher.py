@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.transfer.agree import gather_failures, one_line
-from reshard_cli.transfer.comm import STALL, WORLD
-from reshard_cli.transfer.watchdog import GroupBroken, Guard, Watchdog
+from reshard_cli.transfer.comm import STALL, WORLD, world_guard
+from reshard_cli.transfer.watchdog import GroupBroken, Guard
 
 T = TypeVar("T")
 
@@ -153,15 +153,9 @@ def process_group(backend: str, timeout: float) -> Iterator[torch.device]:
 def _guard(device: torch.device, timeout: float) -> Guard:
     """The job's watchdog (`transfer.watchdog`) over torchrun's own store: heartbeats, fault lines, and the
     default group's waits ended by them. Every rank's heartbeat key exists once the barrier is passed."""
-    rank, world = rank_and_world()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=timeout))
-    watchdog = Watchdog(store, rank, world, stall=min(timeout / 2, STALL), label="rank")
-    watchdog.store_client = store  # kept alive with the watchdog
+    guard = world_guard(device, stall=min(timeout / 2, STALL), label="rank")
     dist.barrier()
-    watchdog.start()
-    guard = Guard(watchdog, device if device.type == "cuda" else None)
-    guard.abortables.append(dist.group.WORLD)  # a fault shuts the job's group down: a blocked wait ends
+    guard.watchdog.start()
     return guard
 
 

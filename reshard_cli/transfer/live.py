@@ -14,7 +14,10 @@ storage every time, so an engine's pointers stay valid).
 """
 from __future__ import annotations
 
+import itertools
+import os
 import time
+import weakref
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +37,7 @@ from reshard_cli.plan.planner import Plan
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.transfer import verify
 from reshard_cli.transfer.agree import gather_failures, one_line
-from reshard_cli.transfer.comm import WORLD, GroupComm
+from reshard_cli.transfer.comm import STALL, WORLD, GroupComm, WorldComm, world_guard
 from reshard_cli.transfer.watchdog import GroupBroken
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.pipeline import build_engine, ready_plan, transfer_options
@@ -129,6 +132,10 @@ class Refit:
             raise ConfigError("call torch.distributed.init_process_group before creating a Refit, or pass group=",
                               key="Refit")
         self.comm = group if group is not None else WORLD
+        # a Refit over the default group of a job whose launcher set no watchdog on it (a user's own torchrun
+        # job) keeps one of its own from set-up on, under keys numbered by the Refits created in this process
+        self._world_refit = next(_WORLD_REFITS) if group is None else None
+        self._guard = None
         self.role, self.who = role, who
         self.rank = self.comm.rank
         self.calls = 0  # refits run (the key of what a destination records as committed)
@@ -231,9 +238,41 @@ class Refit:
             out[r] = int(n) if call == str(self.calls) else 0
         return out
 
+    def close(self) -> None:
+        """Stop the watchdog this refit keeps over the default group, if it keeps one (also done when the
+        Refit is collected, and at exit)."""
+        if self._guard is not None:
+            self._guard_closer()
+            self._guard = None
+
+    def _watch_world(self):
+        """The watchdog of a Refit over a default group nobody guards, made before set-up's collective (which
+        every rank passes only once every heartbeat key exists); None when the job's store cannot be reached
+        from the environment (the group was not set up from MASTER_ADDR/MASTER_PORT)."""
+        if self._world_refit is None or WORLD.guard is not None:
+            return None
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restart
+        return world_guard(self.device, stall=STALL, label="refit rank",
+                           prefix=f"reshard-refit/{restart}/{self._world_refit}/")
+
     def _setup(self, tensors: Mapping[str, torch.Tensor]) -> None:
         specs = {name: _spec_of(name, x) for name, x in tensors.items()}
-        gathered = self.comm.all_gather_object((self.role, specs), what=_SETUP)
+        guard = self._watch_world()
+        try:
+            gathered = self.comm.all_gather_object((self.role, specs), what=_SETUP)
+            if guard is not None:  # every rank's heartbeat key exists now: the waits from here on are guarded
+                guard.watchdog.start()
+                self.comm, self._guard = WorldComm(), guard
+                self.comm.guard = guard
+                self._guard_closer = weakref.finalize(self, guard.close)
+            self._plan_from(gathered)
+        except BaseException:
+            if guard is not None:  # set-up failed on every rank alike: nothing of this refit runs
+                self.close() if self._guard is not None else guard.close()
+                self.comm = WORLD
+            raise
+
+    def _plan_from(self, gathered: list) -> None:
         failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, dict) and "failed" in g]
         if failed:
             r, g = failed[0]
@@ -442,6 +481,7 @@ class Refit:
 
 
 _SETUP = "refit set-up"
+_WORLD_REFITS = itertools.count()  # Refits over the default group made in this process (the same order on every rank)
 
 
 def _labels(groups: list[Group]) -> str:

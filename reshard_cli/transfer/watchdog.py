@@ -80,9 +80,10 @@ class Fault:
 
 class Watchdog:
     def __init__(self, store, rank: int, size: int, *, interval: float = 1.0, stall: float = 10.0,
-                 label: str = "refit rank"):
-        self._base = store
-        self.store = dist.PrefixStore("reshard-watch", _own_client(store))  # checks and reports
+                 label: str = "refit rank", prefix: str = ""):
+        """`prefix`: the keys' own space on a store other users share (torchrun's)."""
+        self._base, self._prefix = store, prefix + "reshard-watch"
+        self.store = dist.PrefixStore(self._prefix, _own_client(store))  # checks and reports
         self.rank, self.size, self.interval, self.stall, self.label = rank, size, interval, stall, label
         self.roles: list[str] = [""] * size  # what each rank is, once the group knows ("trainer 0")
         now = time.monotonic()
@@ -92,7 +93,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        beat_store = dist.PrefixStore("reshard-watch", _own_client(self._base))  # never shared: see above
+        beat_store = dist.PrefixStore(self._prefix, _own_client(self._base))  # never shared: see above
         self._thread = threading.Thread(target=self._beat, args=(beat_store,), name=f"reshard-heartbeat-{self.rank}",
                                         daemon=True)
         self._thread.start()

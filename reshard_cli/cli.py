@@ -21,6 +21,7 @@ from reshard_cli.hw import nvml
 from reshard_cli.plan.cost import plan_prediction, with_auto_routes
 from reshard_cli.plan.groups import staging
 from reshard_cli.plan.fleet import fleet_figures, fleet_of
+from reshard_cli.plan.fp8 import fp8_figures
 from reshard_cli.plan.planner import Plan, no_gc
 from reshard_cli.report import plan_text, write_pieces
 from reshard_cli.transfer import dryrun
@@ -113,6 +114,10 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
     fleet = fleet_of(p.dst)
     if fleet.replicas > 1:  # one refit of every replica, beside one refit per replica
         stats["fleet"] = fleet_figures(p, fleet, stats)
+    fp8 = fp8_figures(p, stats)
+    if fp8 is not None:  # an FP8 engine: where its blocks are quantized, the wire beside a BF16 refit's
+        stats["fp8"] = fp8
+    stats["plan_seconds"] = time.perf_counter() - t1  # with the figures above
     typer.echo(plan_text(stats))
     cost_text, cost_doc = plan_prediction(p)
     if cost_text:

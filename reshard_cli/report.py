@@ -31,12 +31,31 @@ def plan_text(s: dict) -> str:
         f"  planned in    {s['plan_seconds'] * 1e3:.0f} ms",
         *_storage_lines(s.get("trainer"), s.get("engine"), s.get("staging")),
         *_fleet_lines(s.get("fleet")),
+        *_fp8_lines(s.get("fp8")),
         "",
         table(["path", "tensors", "bytes", "wire", "in-domain", "pieces"],
               [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),
                 v["pieces"]] for p, v in s["path_stats"].items()]),
     ]
     return "\n".join(lines)
+
+
+def _fp8_lines(f: dict | None) -> list[str]:
+    """An FP8 engine (`plan.fp8`): where its blocks are quantized, and the wire beside a BF16 refit's."""
+    if not f:
+        return []
+    lines = [f"  fp8 engine    {f['scheme']}: {f['quantized_tensors']} tensors quantized "
+             f"({fmt_count(f['quantized_params'])} params, scales {fmt_bytes(f['scale_bytes'])}), "
+             f"{pct(f['sender_share'], 1)} of them on the sender",
+             f"  fp8 wire      {fmt_bytes(f['wire_bytes'])} = {fmt_bytes(f['sender_quantized_bytes'])} FP8 quantized by "
+             f"the senders + {fmt_bytes(f['receiver_quantized_bytes'])} BF16 of blocks cut by source shards + "
+             f"{fmt_bytes(f['unquantized_bytes'])} unquantized; {f['wire_ratio']:.2f}x a BF16 refit's "
+             f"{fmt_bytes(f['bf16_wire_bytes'])}"]
+    cut = [(k, v) for k, v in f["by_kind"].items() if v["sender_share"] < 1]
+    if cut:
+        lines.append("  fp8 receiver  " + ", ".join(f"{k} ({pct(1 - v['sender_share'], 1)} of it)" for k, v in cut[:4])
+                     + (f" and {len(cut) - 4} more kinds" if len(cut) > 4 else ""))
+    return lines
 
 
 def _route_lines(s: dict) -> list[str]:

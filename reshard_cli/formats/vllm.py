@@ -36,10 +36,11 @@ from reshard_cli.base.geometry import chunk_size
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats.base import Format, doc_line, format_mesh, format_options, storage_summary
 from reshard_cli.formats.storage import EngineTensor, View  # noqa: F401 - re-exported
+from reshard_cli.layouts.quant import quantization_of
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 EXPERT_STACK = "routed_experts"  # vLLM 0.32's FusedMoE keeps the stacked experts under mlp.experts.routed_experts
-ENGINE_KEYS = ("expert_parallel", "expert_placement", "kind", "stage_mb", "url")
+ENGINE_KEYS = ("expert_parallel", "expert_placement", "kind", "quantization", "stage_mb", "url")
 DIMS = ("dp", "pp", "tp")
 
 # checkpoint-name patterns (HF naming, as the manifests list them)
@@ -76,6 +77,8 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if not config:
         raise ConfigError(f"`format: vllm` needs the model's HF config (heads, vocab); {manifest.name!r} has "
                           f"none: name a bundled model or a config.json", file=file, key="model")
+    quantization_of(engine.get("quantization"), config, file=file, key="engine.quantization",
+                    line=_line(engine, "quantization"))  # checked against the model here; kept by `engine_block`
     tp = int(mesh.get("tp", 1))
     heads = int(config.get("num_attention_heads", 0))
     kv = int(config.get("num_key_value_heads") or heads)
@@ -128,15 +131,16 @@ def _kv_rule(doc: dict, meshes: dict, tp: int, kv: int, file: str) -> dict:
 
 
 def engine_block(doc: dict, file: str) -> dict:
-    """`engine: {kind: vllm, url: http://host:port, stage_mb: 1024}`: a running `vllm serve` that `reshard run`
-    pushes into (or a fleet of them: `url: [URL, URL]`, whose replicas the layout's `dp` lists in order), and
-    the checkpoint-format MiB each of its workers stages at once during an update."""
+    """`engine: {kind: vllm, url: http://host:port, stage_mb: 1024, quantization: fp8}`: a running `vllm serve`
+    that `reshard run` pushes into (or a fleet of them: `url: [URL, URL]`, whose replicas the layout's `dp`
+    lists in order), the checkpoint-format MiB each of its workers stages at once during an update, and
+    whether it serves the model in FP8 (`layouts.quant`)."""
     engine = doc.get("engine") or {}
     stage = engine.get("stage_mb")
     if stage is not None and (isinstance(stage, bool) or not isinstance(stage, (int, float)) or stage < 0):
         raise ConfigError(f"expected MiB >= 0 (0: the whole model at once), got {stage!r}", file=file,
                           key="engine.stage_mb", line=_line(engine, "stage_mb"))
-    return {"urls": _engine_urls(engine, file), "stage_mb": stage}
+    return {"urls": _engine_urls(engine, file), "stage_mb": stage, "quantization": engine.get("quantization")}
 
 
 def _engine_urls(engine, file: str) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 from reshard_cli.base.geometry import Box, shard_box
 from reshard_cli.errors import ConfigError
 from reshard_cli.layouts.models import Manifest, load_manifest
+from reshard_cli.layouts.quant import Quantization, quantization_of
 from reshard_cli.layouts.yamlio import check_keys, line_of, parse_ranks
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -133,6 +134,12 @@ class Layout:
     format: str = "hf"  # how the framework stores the tensors (reshard_cli.formats)
     expert_order: str = "linear"  # expert e's owner: see expert_owner()
     engine: Mapping = field(default_factory=dict)  # about the engine it runs in: `urls`, `stage_mb` (formats)
+
+    @cached_property
+    def quantization(self) -> Quantization | None:
+        """How the engine this layout describes quantizes the model (`engine: {quantization: fp8}`), or None."""
+        return quantization_of(self.engine.get("quantization"), self.manifest.config, file=self.file,
+                               key="engine.quantization", line=None)
 
     @property
     def engine_urls(self) -> tuple[str, ...]:

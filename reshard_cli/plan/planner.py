@@ -720,17 +720,18 @@ class Plan:
 
     # ------------------------------------------------------------------------------------- statistics
 
-    def stats(self) -> dict:
+    def stats(self, itemsizes: list | None = None) -> dict:
         """The figures `reshard plan` prints; keys documented in the README are a contract.
 
         Tensors of one class with the same rotation residue have identical loads, so each (class, residue)
-        is evaluated once and scaled by the bytes per element of its tensors.
+        is evaluated once and scaled by the bytes per element of its tensors: `itemsizes` (per tensor, what
+        moves per element; default the source dtype's) weighs them otherwise (`plan.fp8`: FP8 on the wire).
         """
         with no_gc():
             t0 = time.perf_counter()
             classes = self.classes.index()[0]
             tally = _Tally()
-            groups, bcast_baseline, min_wire = self._group_tensors(tally)
+            groups, bcast_baseline, min_wire = self._group_tensors(tally, itemsizes or self.classes.itemsizes())
             self._add_loads(groups, tally)
             bcast_wire = sum(classes[i].bcast_wire(res) * items for (i, res), items in bcast_baseline.items())
             out = self._summary(tally, min_wire, bcast_wire)
@@ -740,7 +741,7 @@ class Plan:
             out["plan_seconds"] = time.perf_counter() - t0
             return out
 
-    def _group_tensors(self, tally: _Tally) -> tuple[dict, dict, int]:
+    def _group_tensors(self, tally: _Tally, itemsizes: list) -> tuple[dict, dict, int]:
         """The tensors grouped by (class, route, rotation residue) -> [tensors, Σ item size], and by (class,
         broadcast residue) -> Σ item size (every tensor, for broadcast_wire_bytes); the minimum wire bytes.
         Counts each path's tensors and bytes into `tally`."""
@@ -754,7 +755,7 @@ class Plan:
         numel_of = [c.numel for c in classes]
         reshard, broadcast = tally.per_path["reshard"], tally.per_path["broadcast"]
         path_of = {Route.FORWARD: reshard, Route.DIRECT: reshard, Route.BROADCAST: broadcast}
-        for t, (item, i, route) in enumerate(zip(self.classes.itemsizes(), cid, self.routes)):
+        for t, (item, i, route) in enumerate(zip(itemsizes, cid, self.routes)):
             min_wire += min_wire_of[i] * item
             bcast_baseline[(i, t % bcast_period[i])] += item
             pp = path_of[route]

@@ -55,6 +55,17 @@ def separate_topology(topology: Topology, dst: Layout, fleet: Fleet) -> Topology
                    domains=tuple(tuple(v) for v in sorted(cut.values(), key=lambda v: v[0]) if len(v) > 1))
 
 
+def _within_replicas(topology: Topology, dst: Layout, fleet: Fleet) -> bool:
+    """Whether no domain spans two replicas (or a replica and ranks outside the fleet): cutting the domains
+    at replica boundaries then changes nothing, and one refit per replica is this very plan."""
+    owner = {r: fleet.replica_of(i) for i, r in enumerate(dst.ranks)}
+    seen: dict[int, int] = {}  # domain -> the owner of its ranks
+    for r in set(dst.ranks) | {r for d in topology.domains for r in d}:
+        if seen.setdefault(topology.domain_of(r), owner.get(r, -1)) != owner.get(r, -1):
+            return False
+    return True
+
+
 def fleet_figures(plan, fleet: Fleet, stats: dict | None = None) -> dict:
     """What one refit of the whole fleet moves (`plan`'s own figures) beside N separate refits (one plan in the
     same mode whose domains stop at replica boundaries: forwarding inside each replica only) and the full-tensor
@@ -64,7 +75,7 @@ def fleet_figures(plan, fleet: Fleet, stats: dict | None = None) -> dict:
     `stats`: the plan's, when at hand."""
     stats = stats or plan.stats()
     separate = stats["wire_bytes"]
-    if fleet.replicas > 1:
+    if fleet.replicas > 1 and not _within_replicas(plan.topology, plan.dst, fleet):
         alone = with_auto_routes(Plan(plan.src, plan.dst, separate_topology(plan.topology, plan.dst, fleet),
                                       mode=plan.mode, reshard_match=plan.reshard_match))  # the same mode
         separate = alone.stats()["wire_bytes"]

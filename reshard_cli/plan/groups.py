@@ -35,12 +35,23 @@ class Group:
 def layer_groups(dst: Layout, budget: int | None) -> list[Group]:
     """The destination's tensors in groups of whole layers, in layer order, each within `budget` bytes per rank
     (None or 0: one group)."""
+    return _grouped(_units(dst), budget)
+
+
+def _units(dst: Layout) -> tuple[dict, list, dict]:
+    """The layers (None: the tensors outside them) with their tensors, in order, and each one's most bytes on
+    one destination rank."""
     layer_of = layer_indices(dst.manifest)
     units: dict[int | None, list[int]] = {}
     for t, layer in enumerate(layer_of):
         units.setdefault(layer, []).append(t)
     order = sorted(units, key=lambda k: -1 if k is None else k)
-    sizes = {k: _most_per_rank(dst, units[k]) for k in order}
+    held: dict[tuple, dict] = {}  # (shape, placement) -> elements per rank, shared by the layers' like tensors
+    return units, order, {k: _most_per_rank(dst, units[k], held) for k in order}
+
+
+def _grouped(unit_sizes: tuple, budget: int | None) -> list[Group]:
+    units, order, sizes = unit_sizes
     if not budget:
         return [_group(units, order, sizes)] if order else []
     groups, current, held = [], [], 0
@@ -64,8 +75,9 @@ def staging(dst: Layout, stage_mb: float | None = None) -> dict | None:
     for value in (stage_mb, dst.engine.get("stage_mb"), DEFAULT_STAGE_MB):
         if value is not None:
             break
-    groups = layer_groups(dst, int(value * (1 << 20)))
-    units = layer_groups(dst, 1)
+    unit_sizes = _units(dst)
+    groups = _grouped(unit_sizes, int(value * (1 << 20)))
+    units = _grouped(unit_sizes, 1)
     return {"stage_mb": float(value), "groups": len(groups), "peak_bytes": max((g.nbytes for g in groups), default=0),
             "largest_layer_bytes": max((u.nbytes for u in units), default=0),
             "whole_bytes": sum(u.nbytes for u in units)}
@@ -76,13 +88,21 @@ def _group(units: dict, keys: list, sizes: dict) -> Group:
     return Group(tensors, tuple(k for k in keys if k is not None), None in keys, sum(sizes[k] for k in keys))
 
 
-def _most_per_rank(layout: Layout, tensors: list[int]) -> int:
-    """The most bytes any rank of `layout` holds of `tensors`."""
+def _most_per_rank(layout: Layout, tensors: list[int], held: dict) -> int:
+    """The most bytes any rank of `layout` holds of `tensors`. `held`: elements per rank by (shape, placement),
+    filled as it goes (the layers of a model repeat a few of them)."""
     per_rank: dict[int, int] = {}
     specs = layout.manifest.tensors
     for t in tensors:
         spec, p = specs[t], layout.placements[t]
-        for box, ranks in p.boxes(spec.shape):
-            for r in ranks:
-                per_rank[r] = per_rank.get(r, 0) + box.numel * spec.itemsize
+        key = (spec.shape, id(p))
+        ranks = held.get(key)
+        if ranks is None:
+            ranks = held[key] = {}
+            for box, holders in p.boxes(spec.shape):
+                for r in holders:
+                    ranks[r] = ranks.get(r, 0) + box.numel
+        item = spec.itemsize
+        for r, n in ranks.items():
+            per_rank[r] = per_rank.get(r, 0) + n * item
     return max(per_rank.values(), default=0)

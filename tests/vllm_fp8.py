@@ -1,0 +1,468 @@
+"""Real vLLM FP8 (block 128x128, DeepSeek-V3 style) models on a CPU: the ground truth for refitting FP8 engines.
+
+Not a test file: tests import it. What it gives:
+
+- `fp8_config(config)`: an HF config with DeepSeek-V3's `quantization_config` (`fp8`, `e4m3`, dynamic
+  activations, `weight_block_size: [128, 128]`).
+- `fp8_checkpoint(full)`: the FP8 checkpoint of BF16 weights, as vLLM's quantizer writes it: every weight that
+  loads into a linear layer or the routed experts (`LINEAR`: attention and MLA projections, dense MLPs,
+  experts, shared experts) becomes `float8_e4m3fn` per 128x128 block beside its float32
+  `*.weight_scale_inv` (`vllm.utils.deep_gemm.per_block_cast_to_fp8(x, [128, 128], use_ue8m0=False)`);
+  embeddings, norms, `lm_head`, the router `mlp.gate` and biases stay as they are.
+- `build_fp8_model(config)`: vLLM's own model classes, weight loaders, parameters (`ModelWeightParameter`,
+  `BlockQuantScaleParameter`, FusedMoE's `w13_weight`/`w2_weight` and their `*_weight_scale_inv`) and
+  quantization methods (`Fp8LinearMethod`, `Fp8MoEMethod`), built as the other vLLM tests build a model on CPU
+  (vLLM's config objects, `set_current_vllm_config`, here a world of one, TP1). Only the kernel choice may be
+  a stand-in, see below. `model.load_weights` is vLLM's.
+- `storage(model)`: every parameter and buffer by its vLLM name, in checkpoint format until
+  `process_weights_after_loading` runs; `bit_differences(a, b)` compares two of them bit for bit.
+- `fp8_kernels_available()` / `kernels(model)`: whether vLLM finds real FP8 kernels here, and which kernel each
+  FP8 layer of a model got.
+
+What vLLM's CPU build refuses without AMX (vLLM 0.32; `torch.cpu._is_amx_tile_supported()` is False):
+
+- Linear layers, at construction: `Fp8LinearMethod.create_weights` (quantization/fp8.py) calls
+  `init_fp8_linear_kernel` -> `choose_scaled_mm_linear_kernel` (model_executor/kernels/linear/__init__.py),
+  which raises `ValueError: Failed to find a kernel that can implement the ScaledMM linear layer`: the two CPU
+  block kernels in `_POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU]`, `CPUFp8W8A8BlockScaledMMKernel` and
+  `CPUFp8BlockScaledMMKernel` (kernels/linear/scaled_mm/cpu.py), both answer `is_supported() == False`
+  ("requires AMX tile support"). Without AVX-512 the build loads `vllm._C_AVX2`, which has neither
+  `fp8_scaled_mm_cpu` nor `convert_weight_packed` at all.
+- Routed experts, after loading: `Fp8MoEMethod.__init__` calls `select_fp8_moe_backend`
+  (fused_moe/oracle/fp8.py), whose CPU candidates `CPUExpertsFp8W8A8`/`CPUExpertsFp8` (fused_moe/experts/
+  cpu_moe.py) need AMX; on a CPU it does not raise but returns `(Fp8MoeBackend.NONE, None)`, and
+  `Fp8MoEMethod.process_weights_after_loading` then fails in `convert_to_fp8_moe_kernel_format`
+  (`ValueError: Unsupported FP8 MoE backend: NONE`); `_init_moe_kernel` and forward need an experts class.
+
+The replacement points (both patched with `unittest.mock.patch` only while `build_fp8_model` builds the
+model, since vLLM chooses kernels while constructing layers; the kernel objects chosen stay in the model):
+
+- Linear: `_POSSIBLE_FP8_BLOCK_KERNELS[current platform]` gets `StandInFp8BlockKernel` appended (`patch.dict`).
+  vLLM's own `init_fp8_linear_kernel` and `choose_scaled_mm_linear_kernel` run unchanged and still try the
+  platform's real kernels first; the stand-in is chosen only where all of them refuse. It is the narrowest
+  point: no vLLM function is replaced, only the candidate list gains a last entry, and on a machine with AMX
+  (or a GPU) the real kernel wins by vLLM's own rules.
+- Routed experts: `select_fp8_moe_backend` as `vllm.model_executor.layers.quantization.fp8` binds it (its only
+  caller is `Fp8MoEMethod.__init__`) is wrapped: vLLM's selection runs first and its answer is kept whenever
+  it names an experts class; only `(NONE, None)` becomes `(Fp8MoeBackend.TRITON, StandInFp8Experts)`. The
+  backend enum cannot gain a member, so the stand-in borrows the tag of the backend whose kernel format is the
+  checkpoint format: for TRITON, `convert_to_fp8_moe_kernel_format` keeps w13/w2 and their block scales as
+  loaded and `make_fp8_moe_quant_config` builds the plain block-FP8 w8a8 config. No Triton code runs.
+
+The stand-ins compute nothing: their `process_weights_after_loading` leaves the checkpoint-format parameters
+as vLLM loaded them (the real CPU kernels would VNNI-pack the weights there) and their matmuls raise
+`NotImplementedError`. Everything else in `process_weights_after_loading` is vLLM's (FusedMoE builds its
+modular kernel around the stand-in experts; MLA dequantizes the FP8 `kv_b_proj` into W_UK/W_UV in torch).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+BLOCK = [128, 128]
+
+# DeepSeek-V3's own quantization_config (its config.json).
+DEEPSEEK_V3_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                     "weight_block_size": [128, 128]}
+
+# Tiny models (TP1) whose every FP8 layer passes vLLM's block validation: `validate_fp8_block_shape` (at TP1
+# only the parts of a merged layer but its last must be whole 128-row blocks) and
+# `validate_fp8_block_shape_moe` (the experts' intermediate size must be a multiple of 128). At TP2 more would
+# have to be (every column shard, every row shard's input): o_proj's input, k/v and the experts would not.
+# MLA: fused_qkv_a_proj merges q_a_proj (q_lora_rank 128) and kv_a_proj_with_mqa (kv_lora_rank 128 +
+# qk_rope_head_dim 32 = 160: a partial last block, as DeepSeek-V3's 512 + 64 = 576 is).
+DEEPSEEK_V3_FP8 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=1000, hidden_size=256,
+    intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32,
+    v_head_dim=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+    moe_layer_freq=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, scoring_func="sigmoid",
+    topk_method="noaux_tc", norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6,
+    rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
+# Qwen3-MoE: q 4 x 64 = 256, k = v = 2 x 64 = 128 (qkv_proj's parts before the last must be whole blocks).
+QWEN3_MOE_FP8 = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=1000, hidden_size=256,
+    intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+    mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+    tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
+def _router_gates(config: dict) -> list[str]:
+    """The MoE router gates (`model.layers.N.mlp.gate`) of a model whose vLLM class hands the gate its
+    quantization config (Qwen3-MoE's `GateLinear(..., quant_config=quant_config)`; DeepSeek-V3's gate gets
+    none). Qwen's FP8 checkpoints list them in `modules_to_not_convert`, as the gate stays BF16."""
+    if config.get("model_type") != "qwen3_moe":
+        return []
+    dense = set(config.get("mlp_only_layers", []))
+    step = config.get("decoder_sparse_step", 1)
+    return [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])
+            if i not in dense and config.get("num_experts", 0) > 0 and (i + 1) % step == 0]
+
+
+def fp8_config(config: dict) -> dict:
+    """`config` (an HF config.json dict) with DeepSeek-V3's block-FP8 `quantization_config` added; for a
+    Qwen3-MoE also `modules_to_not_convert` naming its router gates (see `_router_gates`): without it vLLM
+    quantizes Qwen3-MoE's `mlp.gate` too (FP8 [E, H], `weight_scale_inv` [ceil(E/128), H/128])."""
+    quant = dict(DEEPSEEK_V3_QUANT, weight_block_size=list(BLOCK))
+    gates = _router_gates(config)
+    if gates:
+        quant["modules_to_not_convert"] = gates
+    return {**config, "quantization_config": quant}
+
+
+# The linear layers of these architectures, by their HF names: what vLLM gives `Fp8LinearMethod` (every
+# `LinearBase` not skipped) or, for experts.N.*, `Fp8MoEMethod`.
+LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|"
+                    r"kv_a_proj_with_mqa|kv_b_proj)\.weight$")
+
+
+def is_fp8_weight(name: str, tensor: torch.Tensor) -> bool:
+    """Whether vLLM's FP8 method quantizes this checkpoint tensor: the 2-D weights of linear layers and routed
+    experts (`LINEAR`: q/k/v/o_proj, MLA's q_a_proj/q_b_proj/kv_a_proj_with_mqa/kv_b_proj, dense and
+    shared-expert gate/up/down_proj, experts.N.gate/up/down_proj). Not embed_tokens, lm_head (a
+    `ParallelLMHead`, no `LinearBase`), norms, the router `mlp.gate` (DeepSeek-V3's gets no quantization
+    config; Qwen3-MoE's is listed in `modules_to_not_convert`), e_score_correction_bias, biases.
+
+    Mind the rule: vLLM's loader does not check dtypes. A BF16 tensor loaded into an FP8 parameter is cast
+    silently (`copy_`) and the layer's `weight_scale_inv` keeps what it held (an earlier rule here missed
+    `kv_a_proj_with_mqa` and vLLM loaded that checkpoint without a word)."""
+    return tensor.dim() == 2 and LINEAR.search(name) is not None
+
+
+def fp8_checkpoint(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The block-FP8 checkpoint of BF16 weights `full`: each tensor `is_fp8_weight` selects becomes
+    float8_e4m3fn, and `name[:-len("weight")] + "weight_scale_inv"` its float32 scales
+    [ceil(out/128), ceil(in/128)] (vLLM's `per_block_cast_to_fp8`, no UE8M0 rounding); others unchanged."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    out = {}
+    for name, x in full.items():
+        if is_fp8_weight(name, x):
+            q, scale = per_block_cast_to_fp8(x, list(BLOCK), use_ue8m0=False)
+            assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, (q.dtype, scale.dtype)
+            out[name] = q
+            out[name[: -len("weight")] + "weight_scale_inv"] = scale
+        else:
+            out[name] = x
+    return out
+
+
+def random_checkpoint(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights under the model's HF names, shapes and dtypes (reshard's manifest of `config`:
+    BF16 but DeepSeek-V3's float32 e_score_correction_bias), each tensor with its own magnitude."""
+    from reshard_cli.layouts.models import manifest_from_hf_config
+
+    man = manifest_from_hf_config(config, name=config.get("model_type", "model"))
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for t in man.tensors:
+        scale = 0.02 * (1 + 10 * torch.rand((), generator=gen).item())
+        out[t.name] = (torch.randn(t.shape, generator=gen) * scale).to(getattr(torch, t.dtype))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the stand-ins
+
+def _stand_in_classes():
+    """Built on first use: vLLM's kernel base classes import vLLM's config (and must be imported after it)."""
+    global StandInFp8BlockKernel, StandInFp8Experts
+    if "StandInFp8BlockKernel" in globals():
+        return StandInFp8BlockKernel, StandInFp8Experts
+    import vllm.config  # noqa: F401  (fused_moe imported first hits a circular import in transformers)
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+        Fp8BlockScaledMMLinearKernel,
+    )
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+
+    why = "a test stand-in for vLLM's FP8 kernels (tests/vllm_fp8.py): it computes nothing"
+
+    class StandInFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
+        """vLLM's block-FP8 linear kernel interface, chosen by vLLM's `choose_scaled_mm_linear_kernel` only
+        after every real kernel of the platform refused. Keeps the layer's checkpoint-format `weight` [N, K]
+        and `weight_scale_inv` [ceil(N/128), ceil(K/128)] as loaded; computes nothing."""
+
+        stand_in = True
+
+        @classmethod
+        def is_supported(cls, compute_capability=None):
+            return True, None
+
+        def process_weights_after_loading(self, layer):
+            pass  # the real CPU kernels VNNI-pack `weight` here; the checkpoint format stays
+
+        def apply_weights(self, layer, x, bias=None, **kwargs):
+            raise NotImplementedError(why)
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):
+            raise NotImplementedError(why)
+
+    class StandInFp8Experts(mk.FusedMoEExpertsModular):
+        """vLLM's modular-experts interface for block-FP8 routed experts; computes nothing."""
+
+        stand_in = True
+
+        @staticmethod
+        def activation_format():
+            return mk.FusedMoEActivationFormat.Standard
+
+        @staticmethod
+        def _supports_current_device():
+            return True
+
+        @staticmethod
+        def _supports_no_act_and_mul():
+            return False
+
+        @staticmethod
+        def _supports_activation(activation):
+            return True
+
+        @staticmethod
+        def _supports_parallel_config(moe_parallel_config):
+            return True
+
+        @staticmethod
+        def _supports_quant_scheme(weight_key, activation_key):
+            return True
+
+        def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
+                             activation):
+            return (0,), (0,), (M, K)
+
+        def finalize_weight_and_reduce_impl(self):
+            return TopKWeightAndReduceNoOP()
+
+        def apply(self, *args, **kwargs):
+            raise NotImplementedError(why)
+
+    globals().update(StandInFp8BlockKernel=StandInFp8BlockKernel, StandInFp8Experts=StandInFp8Experts)
+    return StandInFp8BlockKernel, StandInFp8Experts
+
+
+def _real_linear_kernels() -> list:
+    from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
+    from vllm.platforms import current_platform
+
+    return list(_POSSIBLE_FP8_BLOCK_KERNELS.get(current_platform._enum, []))
+
+
+def fp8_kernels_available() -> bool:
+    """Whether vLLM's own selection finds a real block-FP8 linear kernel on this machine (the same
+    `choose_scaled_mm_linear_kernel` call `Fp8LinearMethod` makes, for a 256x256 layer). Where it does, the
+    platform's MoE kernels need the same hardware (AMX on x86 CPUs); `kernels(model)` tells per layer."""
+    import vllm.config  # noqa: F401
+    from vllm.model_executor.kernels.linear import (
+        FP8ScaledMMLinearLayerConfig,
+        _POSSIBLE_FP8_BLOCK_KERNELS,
+        choose_scaled_mm_linear_kernel,
+    )
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape, create_fp8_quant_key
+
+    config = FP8ScaledMMLinearLayerConfig(
+        weight_quant_key=create_fp8_quant_key(static=True, group_shape=GroupShape(*BLOCK)),
+        activation_quant_key=create_fp8_quant_key(static=False, group_shape=GroupShape(1, BLOCK[1])),
+        input_dtype=torch.bfloat16, out_dtype=torch.bfloat16, weight_shape=(256, 256))
+    try:
+        choose_scaled_mm_linear_kernel(config, _POSSIBLE_FP8_BLOCK_KERNELS, quantization="fp8_block_w8a8")
+    except ValueError:
+        return False
+    return True
+
+
+@contextmanager
+def stand_in_kernels(always: bool = False, experts: bool = True):
+    """While open, vLLM's FP8 kernel choice falls back to the stand-ins where it finds no real kernel
+    (`always`: the stand-ins everywhere, even where real kernels run; `experts=False`: linear layers only, the
+    routed experts keep vLLM's own answer). See the module's docstring."""
+    from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+    from vllm.model_executor.layers.quantization import fp8 as fp8_method
+    from vllm.platforms import current_platform
+
+    stand_in_linear, stand_in_experts = _stand_in_classes()
+    real_select = fp8_method.select_fp8_moe_backend
+
+    def select_fp8_moe_backend(*args, **kwargs):
+        backend, experts_cls = (Fp8MoeBackend.NONE, None) if always else real_select(*args, **kwargs)
+        if experts_cls is None:  # vLLM found none: on a CPU (Fp8MoeBackend.NONE, None)
+            return Fp8MoeBackend.TRITON, stand_in_experts
+        return backend, experts_cls
+
+    candidates = [] if always else _real_linear_kernels()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(_POSSIBLE_FP8_BLOCK_KERNELS,
+                                            {current_platform._enum: [*candidates, stand_in_linear]}))
+        if experts:
+            stack.enter_context(mock.patch.object(fp8_method, "select_fp8_moe_backend", select_fp8_moe_backend))
+        yield
+
+
+# ------------------------------------------------------------------------------------------ building
+
+_OWN_WORLD = False
+
+
+def _ensure_world() -> None:
+    """vLLM's parallel state for a world of one (TP1) in this process, unless one exists already."""
+    global _OWN_WORLD
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        return
+    from reshard_cli.base.ports import free_port
+
+    port = free_port("127.0.0.1")
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(tensor_model_parallel_size=1)
+    _OWN_WORLD = True
+
+
+def release_world() -> None:
+    """Tear down the world of one `build_fp8_model` started (nothing if the caller brought its own), so this
+    process can start other process groups."""
+    global _OWN_WORLD
+    if not _OWN_WORLD:
+        return
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    _OWN_WORLD = False
+
+
+def build_fp8_model(config_dir_or_config, *, stand_ins: str = "auto", dtype: str = "bfloat16"):
+    """A real vLLM model with block-FP8 quantization active, on CPU, TP1: `(vllm_config, model)`.
+
+    `config_dir_or_config`: a model directory with a config.json that already has a `quantization_config`,
+    or an HF config dict (without one: `fp8_config` adds it). `stand_ins`: "auto" (vLLM's real FP8 kernels
+    where it finds them, the stand-ins elsewhere), "always", "linear" (stand-ins for linear layers only: the
+    routed experts get what vLLM selects, on a CPU without AMX nothing, and `process_weights_after_loading`
+    fails) or "never" (vLLM as it is: without AMX the first FP8 linear layer refuses). Starts vLLM's
+    parallel state for a world of one if none exists (`release_world` ends it). `load` and
+    `process_weights_after_loading` below call vLLM's under `set_current_vllm_config(vllm_config)`."""
+    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    tmp = None
+    if isinstance(config_dir_or_config, dict):
+        config = config_dir_or_config
+        if "quantization_config" not in config:
+            config = fp8_config(config)
+        tmp = tempfile.mkdtemp(prefix="vllm-fp8-")
+        Path(tmp, "config.json").write_text(json.dumps(config))
+        model_dir = tmp
+    else:
+        model_dir = str(config_dir_or_config)
+    try:
+        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
+        vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=1),
+                        device_config=DeviceConfig("cpu"))
+        assert mc.quantization == "fp8", f"{model_dir}: quantization {mc.quantization!r}, not fp8"
+        patch = {"auto": stand_in_kernels, "always": lambda: stand_in_kernels(always=True),
+                 "linear": lambda: stand_in_kernels(experts=False), "never": contextlib.nullcontext}[stand_ins]
+        with set_current_vllm_config(vc):
+            _ensure_world()
+            with patch(), set_default_torch_dtype(mc.dtype), torch.device("cpu"):
+                model = initialize_model(vllm_config=vc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return vc, model
+
+
+def process_weights_after_loading(vc, model) -> None:
+    """vLLM's own post-processing of a loaded model into its kernels' format (what vLLM does after
+    `load_weights` at start)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading as process
+
+    with set_current_vllm_config(vc):
+        process(model, vc.model_config, torch.device("cpu"))
+
+
+def load(vc, model, checkpoint: dict[str, torch.Tensor]) -> set[str]:
+    """vLLM's `model.load_weights` of `checkpoint`, under the model's config; the names it loaded."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vc):
+        return set(model.load_weights(iter(checkpoint.items())))
+
+
+# ------------------------------------------------------------------------------------------ inspecting
+
+def storage(model) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model` by its vLLM name (the tensors themselves, not copies): the
+    checkpoint-format storage until `process_weights_after_loading` runs. A module other modules share (MLA's
+    `mla_attn` holds the projections too) is listed once, under the name `load_weights` uses."""
+    out = {n: p.data for n, p in model.named_parameters()}  # the names `load_weights` looks up
+    for n, b in model.named_buffers():
+        out.setdefault(n, b)
+    return out
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in storage(model).items()}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def bit_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Name -> why, for every tensor not bit-identical between two storages (missing, shape, dtype, bytes)."""
+    out = {}
+    for n in sorted(set(a) | set(b)):
+        if n not in a or n not in b:
+            out[n] = "only in " + ("first" if n in a else "second")
+        elif a[n].shape != b[n].shape or a[n].dtype != b[n].dtype:
+            out[n] = f"{tuple(a[n].shape)} {a[n].dtype} vs {tuple(b[n].shape)} {b[n].dtype}"
+        else:
+            differ = int((_bytes(a[n]) != _bytes(b[n])).sum())
+            if differ:
+                out[n] = f"{differ} of {a[n].numel() * a[n].element_size()} bytes differ"
+    return out
+
+
+def fill(model, byte: int) -> None:
+    """Every parameter's bytes set to `byte` (a sentinel: what no load writes keeps it)."""
+    for p in model.parameters():
+        assert p.data.is_contiguous(), "a strided parameter"
+        p.data.reshape(-1).view(torch.uint8).fill_(byte)
+
+
+def fp8_layers(model) -> dict[str, torch.nn.Module]:
+    """The modules whose quantization method is vLLM's `Fp8LinearMethod` or `Fp8MoEMethod`, by name."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
+
+    return {n: m for n, m in model.named_modules()
+            if isinstance(getattr(m, "quant_method", None), (Fp8LinearMethod, Fp8MoEMethod))}
+
+
+def kernels(model) -> dict[str, str]:
+    """Module name -> the FP8 kernel class vLLM chose for it (`fp8_linear` of a linear layer, the experts
+    class of routed experts), `(stand-in)` marking the stand-ins."""
+    out = {}
+    for n, m in fp8_layers(model).items():
+        qm = m.quant_method
+        k = type(qm.fp8_linear) if hasattr(qm, "fp8_linear") else qm.experts_cls
+        tag = " (stand-in)" if getattr(k, "stand_in", False) else ""
+        backend = f" [{qm.fp8_backend.value}]" if hasattr(qm, "fp8_backend") else ""
+        out[n] = f"{getattr(k, '__name__', 'none')}{backend}{tag}"
+    return out
+
+
+def uses_stand_ins(model) -> bool:
+    return any("(stand-in)" in k for k in kernels(model).values())

@@ -9,8 +9,8 @@ quantize it. The plan stays in checkpoint space; per tensor it splits the blocks
   128-row block it ends in). Their BF16 moves as today, and the destination quantizes once the block is
   complete.
 
-Per-tensor FP8 needs the tensor's amax over all its shards: the senders agree on it (a max over the tensor's
-holders, a few bytes), then each quantizes its own shard, so every block is the sender's.
+Per-tensor FP8 is vLLM quantizing a BF16 checkpoint itself, after loading (its online `--quantization fp8`):
+the engine's checkpoint-format storage stays BF16, so BF16 moves and the engine quantizes every tensor.
 
 The destination must hold whole blocks, as vLLM requires of a block-FP8 engine (`validate_fp8_block_shape`):
 a tensor-parallel split that cuts a block is refused here with the line vLLM would fail with at start-up.
@@ -100,9 +100,9 @@ def fp8_figures(plan, stats: dict) -> dict | None:
             continue
         i = cid[t]
         if i not in share:
-            share[i] = 1.0 if q.block is None else whole_block_share(spec.shape, classes[i].src_boxes, q.block)
+            share[i] = 0.0 if q.block is None else whole_block_share(spec.shape, classes[i].src_boxes, q.block)
         f = share[i]
-        scale = q.scale_bytes(spec.shape) or 4
+        scale = q.scale_bytes(spec.shape) if q.block else 4
         sender.append(f * (1 + scale / spec.numel))
         receiver.append((1 - f) * items[t])
         other.append(0)

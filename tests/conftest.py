@@ -133,6 +133,9 @@ TIER_MODULES: dict[str, tuple[str, ...]] = {
     "test_vllm_serve_dp": _VLLM,
     "test_vllm_serve": _VLLM,
     "test_vllm_contract": ("vllm",),  # vLLM's symbols, no engine: seconds
+    "test_fp8": ("vllm",),  # vLLM's quantizer as the reference: seconds
+    "test_vllm_fp8_storage": ("vllm",),  # vLLM's FP8 layers in this process, a world of one: seconds
+    "test_vllm_fp8_format": ("vllm",),
     "test_transport": _PROCS,  # every mode on gloo process groups
     "test_run": _PROCS,  # `reshard run` under torchrun
 }

@@ -80,7 +80,11 @@ def format_options(doc: dict, key: str, allowed: tuple, file: str) -> dict:
 def storage_summary(layout, tensors: list, rank: int) -> dict:
     """Bytes of a rank's framework tensors (`formats.storage.EngineTensor`s) and of the checkpoint boxes their
     views cover."""
-    filled = sum(v.box.numel * layout.manifest.tensors[v.tensor].itemsize for et in tensors for v in et.views)
+    def item(et, v) -> int:  # what a checkpoint element takes in the framework's tensor (FP8: one byte)
+        return 1 if et.dtype.startswith("float8") else layout.manifest.tensors[v.tensor].itemsize
+
+    filled = sum(v.box.numel * item(et, v) for et in tensors for v in et.views) + \
+        sum(et.nbytes for et in tensors if et.scales)  # an FP8 engine's scales are written whole
     total = sum(et.nbytes for et in tensors)
     return {"format": layout.format, "rank": rank, "direct_bytes": filled, "padding_bytes": total - filled,
             "total_bytes": total}

@@ -27,6 +27,8 @@ class EngineTensor:
     shape: tuple
     dtype: str
     views: tuple  # (View, ...)
+    scales: tuple = ()  # an FP8 engine's scale tensor: (View, ...) whose regions (in blocks) hold the scales of
+    # the checkpoint boxes' blocks, quantized into another engine tensor (`formats.vllm`)
 
     @property
     def nbytes(self) -> int:

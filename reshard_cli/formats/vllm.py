@@ -205,7 +205,31 @@ def storage(layout, rank: int) -> list[EngineTensor]:
         out.append(EngineTensor(tensors[t].name, shape, tensors[t].dtype, (View(t, box, region),)))
     order_of = {name: i for i, name in enumerate(t.name for t in tensors)}
     out.sort(key=lambda et: min(order_of[tensors[v.tensor].name] for v in et.views))
-    return out
+    q = layout.quantization
+    return _fp8_storage(out, tensors, q) if q is not None and q.block else out
+
+
+def _fp8_storage(out: list[EngineTensor], tensors, q) -> list[EngineTensor]:
+    """A block-FP8 engine's storage (vLLM's FP8 method on an FP8 checkpoint): a quantized engine tensor keeps
+    its shape in `float8_e4m3fn`, followed by its float32 `weight_scale_inv`, one scale per block of each
+    checkpoint tensor. A fused tensor's members keep their own block grids, stacked as vLLM's loader places
+    them (a member at row r starts at scale row ceil(r / bm)); stacked experts per expert likewise."""
+    bm, bn = q.block
+    res = []
+    for et in out:
+        if not any(q.quantizes(tensors[v.tensor].name, tensors[v.tensor].shape) for v in et.views):
+            res.append(et)
+            continue
+        res.append(EngineTensor(et.name, et.shape, "float8_e4m3fn", et.views))
+        scales, rows = [], 0
+        for v in et.views:
+            *lead, r, c = v.region
+            top, height = -(-r.start // bm), -(-(r.stop - r.start) // bm)
+            scales.append(View(v.tensor, v.box, (*lead, slice(top, top + height), slice(0, -(-(c.stop - c.start) // bn)))))
+            rows = max(rows, top + height)
+        shape = (*et.shape[:-2], rows, -(-et.shape[-1] // bn))
+        res.append(EngineTensor(et.name.removesuffix("weight") + "weight_scale_inv", shape, "float32", (), tuple(scales)))
+    return res
 
 
 def _fused(layout, held: dict, done: set) -> list[EngineTensor]:

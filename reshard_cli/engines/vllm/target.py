@@ -54,7 +54,7 @@ class EngineTarget(Stage):
         # tensors whose engine storage has rows no checkpoint byte fills (a padded vocab): zeroed when staged,
         # as vLLM's own loader zeroes them
         self.padded = {et.name for et in self.storage
-                       if sum(v.box.numel for v in et.views) < _numel(et.shape)}
+                       if not et.scales and sum(v.box.numel for v in et.views) < _numel(et.shape)}
         self.open_group: tuple | None = None  # (staged modules, {name: (parameter, copy)}, their attributes)
         self.peak_staged_bytes = 0  # measured: the most bytes the open group held at once, this update
         self.largest_layer_bytes = max((u.nbytes for u in layer_groups(layout, 1)), default=0)  # the least a

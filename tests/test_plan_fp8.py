@@ -142,7 +142,7 @@ def test_bundled_fp8_layouts_plan():
 
 
 def test_moving_into_an_fp8_engine_is_refused_in_one_line(tmp_path):
-    """Until the transfer quantizes, `reshard run` into an FP8 layout says so instead of moving BF16 bytes."""
+    """`reshard run --out` into an FP8 layout says it cannot write an FP8 checkpoint yet, instead of writing BF16."""
     import subprocess
     import sys
 
@@ -152,4 +152,4 @@ def test_moving_into_an_fp8_engine_is_refused_in_one_line(tmp_path):
                        timeout=120)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "engine.quantization" in lines[0] and "not built yet" in lines[0], r.stderr
+    assert len(lines) == 1 and "engine.quantization" in lines[0] and "not built yet" in lines[0] and "FP8" in lines[0], r.stderr

@@ -66,6 +66,10 @@ SYMBOLS: list[tuple[str, str, tuple | None]] = [
     ("vllm.model_executor.model_loader.reload.layerwise", "_copy_and_restore_kernel_tensors", ((X, X), ())),
     ("vllm.model_executor.model_loader.reload.utils", "get_layer_tensors", ((X,), ())),
     ("vllm.model_executor.model_loader.reload.meta", "materialize_layer", ((X, X), ())),
+    # layers derived from a staged module's weights (MLA's W_UK_T / W_UV from kv_b_proj), processed again
+    ("vllm.model_executor.layers.attention", "MLAAttention.process_weights_after_loading", ((X,), ())),
+    # FP8 engines: the quantizer reshard's block quantization equals bit for bit (tests/test_fp8.py)
+    ("vllm.utils.deep_gemm", "per_block_cast_to_fp8", ((X, X), ("use_ue8m0",))),
     # post-load processing, and the MoE experts' own packing step (cpu_repairs)
     ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase.process_weights_after_loading",
      ((X,), ())),

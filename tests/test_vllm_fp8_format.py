@@ -84,3 +84,48 @@ def test_reshard_writes_vllms_fp8_storage_bit_for_bit(tmp_path, arch):
     assert fp8.bit_differences(cut(fp8.storage(model)), cut(want)) == {}
     router = [et for et in listed if et.name.endswith("mlp.gate.weight")]
     assert {et.dtype for et in router} == ({"float8_e4m3fn"} if arch.endswith("router") else {"bfloat16"}), router
+
+
+@pytest.mark.parametrize("arch", ["deepseek-v3", "qwen3-moe"])
+def test_engine_target_refits_fp8_storage_like_vllms_load(tmp_path, arch):
+    """The vLLM backend's destination (`EngineTarget`) on a running FP8 model: in groups of whole layers (a
+    budget of one layer), each group's BF16 boxes land in buffers of their own, are quantized in `prepare`
+    (before the agreement), processed by vLLM's own code and committed. Afterwards every tensor the model
+    computes with — kernel-format FP8 weights, scales, MLA's W_UK/W_UV derived from them — equals a fresh
+    model that vLLM loaded from the FP8 checkpoint and processed itself."""
+    from reshard_cli.engines.vllm.target import EngineTarget
+    from reshard_cli.formats import load_layout
+    from reshard_cli.plan.groups import layer_groups
+
+    config = ARCHS[arch]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "vllm.yaml").write_text("model: config.json\nformat: vllm\nmesh: {tp: 1}\n"
+                                        "engine: {quantization: fp8}\n")
+    layout = load_layout(tmp_path / "vllm.yaml")
+    old, new = fp8.random_checkpoint(config, seed=99), fp8.random_checkpoint(config, seed=4)
+    vc, model = fp8.build_fp8_model(config)
+    fp8.load(vc, model, fp8.fp8_checkpoint(old))
+    fp8.process_weights_after_loading(vc, model)  # a running engine: kernel format
+    target = EngineTarget(model, layout, layout.ranks[0], vc.model_config)
+    groups = layer_groups(layout, 1)
+    target.reset_stats()
+    names = [t.name for t in layout.manifest.tensors]
+    for group in groups:
+        buffers = target.open(group, layout.subset(group.tensors))
+        for t in group.tensors:
+            box = layout.placements[t].box_of(layout.manifest.tensors[t].shape, layout.ranks[0])
+            if not box.empty:
+                buffers[names[t]].copy_(new[names[t]][box.slices()])  # what the transfer writes
+        target.prepare(group)
+        target.commit(group)
+    vc2, fresh = fp8.build_fp8_model(config)
+    fp8.load(vc2, fresh, fp8.fp8_checkpoint(new))
+    fp8.process_weights_after_loading(vc2, fresh)
+    vocab = config["vocab_size"]
+
+    def cut(s):
+        return {n: x[:vocab] if n.endswith(("embed_tokens.weight", "lm_head.weight")) else x for n, x in s.items()}
+    assert fp8.bit_differences(cut(fp8.storage(model)), cut(fp8.storage(fresh))) == {}
+    print(f"\n[{arch}] {len(groups)} groups, peak staged {target.peak_staged_bytes} bytes "
+          f"(largest layer {target.largest_layer_bytes})")
+    assert 0 < target.peak_staged_bytes

@@ -22,7 +22,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from reshard_cli.errors import ConfigError
 from reshard_cli.base.checksums import count_differing
 from reshard_cli.io.sources import synthetic_values
 from reshard_cli.layouts.layout import Layout
@@ -46,10 +45,6 @@ def ready_plan(src: Layout, dst: Layout, topology: Topology, *, mode: str, resha
                bucket_bytes: int | None = None) -> Plan:
     """The plan between two layouts, ready to follow: in mode auto with the routes the cost model chose for
     this topology (every other mode as planned)."""
-    if dst.quantization is not None:
-        raise ConfigError(f"the destination is an FP8 engine ({dst.quantization.describe()}): `reshard plan` "
-                          f"plans its refit, but moving into FP8 storage is not built yet", file=dst.file,
-                          key="engine.quantization")
     return with_auto_routes(Plan(src, dst, topology, mode=mode, reshard_match=reshard_match,
                                  bucket_bytes=bucket_bytes))
 

@@ -118,6 +118,10 @@ def worker(opts: RunOptions, push: Callable | None = None) -> RunReport | None:
                              f"the layouts use (src {src_l.ranks[0]}-{src_l.ranks[-1]}, "
                              f"dst {dst_l.ranks[0]}-{dst_l.ranks[-1]}"
                              f"{' in the engine at ' + dst_l.engine_url if dst_l.engine_url else ''})")
+        if dst_l.quantization is not None and not dst_l.engine_url:  # a running engine quantizes what lands
+            raise ConfigError(f"the destination is an FP8 engine ({dst_l.quantization.describe()}): reshard "
+                              f"refits it running (engine: {{url}}, or the vLLM backend); writing an FP8 "
+                              f"checkpoint to --out is not built yet", file=dst_l.file, key="engine.quantization")
         topo = load_topology(opts.topology) if opts.topology and not auto else NO_TOPOLOGY
         plan = pipeline.ready_plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match,
                                    bucket_bytes=opts.transfer.bucket_bytes)

@@ -161,6 +161,30 @@ def post_processed(module) -> bool:
     return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
 
 
+def derived_layers(model, staged: dict) -> dict:
+    """Layers whose own tensors vLLM derives at load from a staged module's weights (MLA's attention builds
+    W_UK_T / W_UV from kv_b_proj): staged module name -> [(layer name, layer)]. vLLM's own load processes them
+    after every other layer (`process_weights_after_loading(dtype)` on attention layers)."""
+    from vllm.model_executor.layers.attention import MLAAttention
+
+    by_id = {id(m): name for name, m in staged.items()}
+    out: dict = {}
+    for name, layer in model.named_modules(remove_duplicate=False):
+        if isinstance(layer, MLAAttention):
+            for sub in layer.modules():
+                if id(sub) in by_id:
+                    entry = out.setdefault(by_id[id(sub)], [])
+                    if all(other is not layer for _n, other in entry):
+                        entry.append((name, layer))
+    return out
+
+
+def process_derived(layer, model_config) -> None:
+    """vLLM's processing of a derived layer (`derived_layers`) from its source's current weights; it writes its
+    tensors in place where their shapes stay (vLLM's `replace_parameter(prefer_copy=True)`)."""
+    layer.process_weights_after_loading(model_config.dtype)
+
+
 def process_after_loading(module) -> None:
     """Run `module`'s quant method's post-load step on its current parameters."""
     module.quant_method.process_weights_after_loading(module)

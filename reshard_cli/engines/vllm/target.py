@@ -2,6 +2,7 @@
 storage; vLLM reached through `compat`, its 0.32 defects repaired through `cpu_repairs`)."""
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -35,16 +36,22 @@ class EngineTarget(Stage):
         self.format = formats.get(layout.format)
         self.storage = self.format.storage(layout, rank)
         params = dict(model.named_parameters())
-        extra = sorted(set(params) - {et.name for et in self.storage})
-        if extra:  # a parameter no checkpoint tensor fills would keep stale weights: refuse
-            raise ConfigError(f"rank {rank}: engine parameter {extra[0]!r} is not filled by any checkpoint tensor "
-                              f"of the layout ({len(extra)} such)", key="dst")
         self.staged: dict[str, torch.nn.Module] = {}
         for et in self.storage:
             mod_name = et.name.rpartition(".")[0]
             module = model.get_submodule(mod_name)
             if compat.post_processed(module):
                 self.staged[mod_name] = module
+        # layers vLLM derives from a staged module's weights (MLA's W_UK_T / W_UV from kv_b_proj): processed
+        # again by vLLM's own code once the group holding their source is committed
+        self.derived = compat.derived_layers(model, self.staged)
+        derived = {f"{name}.{p}" for layers in self.derived.values() for name, layer in layers
+                   for p, _ in layer.named_parameters(recurse=False)}
+        extra = sorted(n for n in set(params) - {et.name for et in self.storage} - derived
+                       if not _KV_SCALE.search(n))
+        if extra:  # a parameter no checkpoint tensor fills would keep stale weights: refuse
+            raise ConfigError(f"rank {rank}: engine parameter {extra[0]!r} is not filled by any checkpoint tensor "
+                              f"of the layout ({len(extra)} such)", key="dst")
         # their kernels were built from a staged module's parameter: processed again once the new values are in
         shared = {id(p): name for name, m in self.staged.items() for p in m.parameters(recurse=False)}
         self.tied: dict[str, list] = {}
@@ -56,6 +63,8 @@ class EngineTarget(Stage):
         self.padded = {et.name for et in self.storage
                        if not et.scales and sum(v.box.numel for v in et.views) < _numel(et.shape)}
         self.open_group: tuple | None = None  # (staged modules, {name: (parameter, copy)}, their attributes)
+        self.landing: list = []  # a block-FP8 engine's open group: (BF16 landing buffer, FP8 view, scale view,
+        # box offsets, full shape) per quantized checkpoint box, quantized in `prepare`
         self.peak_staged_bytes = 0  # measured: the most bytes the open group held at once, this update
         self.largest_layer_bytes = max((u.nbytes for u in layer_groups(layout, 1)), default=0)  # the least a
         # group can stage (whole layers), on the destination rank that stages the most
@@ -110,6 +119,8 @@ class EngineTarget(Stage):
                     seen[st.data_ptr()] = st.nbytes()
             for _param, copy in copies.values():
                 seen[copy.untyped_storage().data_ptr()] = copy.untyped_storage().nbytes()
+            for buf, *_ in self.landing:
+                seen[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
             held = sum(seen.values())
         self.peak_staged_bytes = max(self.peak_staged_bytes, held)
 
@@ -141,8 +152,39 @@ class EngineTarget(Stage):
             elif et.name in self.padded:
                 params[et.name].data.zero_()
         self.largest_group_bytes = max(self.largest_group_bytes, sum(et.nbytes for et in tensors))
+        buffers = self.format.bind(params, layout, self.rank)
+        self._land_fp8(tensors, params, layout, buffers)
         self._measure()
-        return self.format.bind(params, layout, self.rank)
+        return buffers
+
+    def _land_fp8(self, tensors: list, params: dict, layout, buffers: dict) -> None:
+        """A block-FP8 engine: each quantized checkpoint box lands as BF16 (what the trainer sends) in a buffer
+        of its own, quantized into its FP8 view and its scales' view in `prepare` (the box holds whole
+        blocks: the layout is checked so)."""
+        q = layout.quantization
+        if q is None or not q.block:
+            return
+        specs = layout.manifest.tensors
+        scales = {et.name: et for et in tensors if et.scales}
+        for et in tensors:
+            if et.dtype != "float8_e4m3fn":
+                continue
+            scale_et = scales[et.name.removesuffix("weight") + "weight_scale_inv"]
+            data, scale = params[et.name].data, params[scale_et.name].data
+            for v, sv in zip(et.views, scale_et.scales):
+                spec = specs[v.tensor]
+                buf = torch.empty(v.box.sizes, dtype=getattr(torch, spec.dtype), device=data.device)
+                buffers[spec.name] = buf
+                self.landing.append((buf, data[v.region], scale[sv.region], v.box.offsets, spec.shape))
+
+    def _quantize_landed(self) -> None:
+        from reshard_cli.base.fp8 import quantize_region
+
+        for buf, fp8, scale, offsets, shape in self.landing:
+            q, s = quantize_region(buf, offsets, shape)
+            fp8.copy_(q)
+            scale.copy_(s)
+        self.landing = []
 
     def prepare(self, group) -> None:
         """vLLM's post-processing of the group's staged modules into the kernels' format (after the refit
@@ -150,6 +192,8 @@ class EngineTarget(Stage):
         what the model computes with is untouched. A failure leaves the group open for the refit's abort."""
         t0 = time.perf_counter()
         modules, _copies, _attrs = self.open_group
+        self._measure()  # with the BF16 landing buffers of an FP8 engine, dropped once quantized
+        self._quantize_landed()
         for module in modules.values():
             compat.process_staged(module)
             cpu_repairs.repack_experts(module)
@@ -173,12 +217,16 @@ class EngineTarget(Stage):
             param.data.copy_(copy)
         for name in modules:
             cpu_repairs.reprocess_tied(self.tied.get(name, ()))
+        for name in modules:
+            for _layer_name, layer in self.derived.get(name, ()):
+                compat.process_derived(layer, self.model_config)
         self.processing_seconds += time.perf_counter() - t0
 
     def abort(self, group=None) -> None:
         """vLLM's finalize on the open group's staged modules: their previous kernel tensors back, and the
         kernel state their processing may have replaced (prepared but not committed) as it was; the copies
         of the other parameters dropped."""
+        self.landing = []
         if self.open_group is None:
             return
         modules, _copies, attrs = self.open_group
@@ -189,6 +237,8 @@ class EngineTarget(Stage):
 
 
 _TABLES = ("_parameters", "_buffers", "_modules")
+_KV_SCALE = re.compile(r"attn\._?(k|v|q|prob)_scale$")  # an FP8 engine's attention: the KV cache's scales,
+# which no checkpoint weight fills (vLLM's loader leaves them too)
 
 
 def _state(module) -> dict:

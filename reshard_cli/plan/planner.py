@@ -43,9 +43,11 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from reshard_cli.errors import ConfigError
+from reshard_cli.base.blocks import grid_split
 from reshard_cli.base.geometry import Box
 from reshard_cli.layouts.layout import Layout, Placement
 from reshard_cli.formats import load_pair
+from reshard_cli.plan.fp8 import Wire
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.plan.terms import MODES, Bcast, ClassRoutes, Piece, Route, Traffic, no_gc
 
@@ -119,8 +121,10 @@ class TensorClass:
     forwarding (`entries`) or direct (`direct_entries`)."""
 
     def __init__(self, shape: tuple, src_boxes: list, dst_boxes: list, dom: dict, receivers: tuple,
-                 recv_doms: frozenset):
+                 recv_doms: frozenset, grid: tuple | None = None):
         self.shape = shape
+        self.grid = grid if len(shape) >= 2 else None  # a block-FP8 destination's blocks: forwarded parts
+        # are cut on their grid, so a part of whole blocks can travel quantized (`plan.fp8.Wire`)
         self.numel = math.prod(shape)
         self.recv_doms = recv_doms  # domains of the destination group
         self.src_boxes = src_boxes
@@ -171,7 +175,8 @@ class TensorClass:
     def _split(self, r: Box, k: int) -> list:
         out = self._splits.get((r, k))
         if out is None:
-            out = self._splits[(r, k)] = [(sub, sub.numel) for sub in r.split(k)]
+            subs = r.split(k) if self.grid is None else grid_split(r, k, self.shape, self.grid)
+            out = self._splits[(r, k)] = [(sub, sub.numel) for sub in subs]
         return out
 
     def _geo(self) -> tuple[int, int, bool]:
@@ -474,6 +479,8 @@ class TensorClasses:
         self.src, self.dst = src, dst
         self.domains = {r: topology.domain_of(r) for r in src.ranks + dst.ranks}  # rank -> domain id
         self._recv_doms = frozenset(self.domains[r] for r in dst.ranks)
+        q = dst.quantization
+        self._grid = q.block if q is not None else None
         self._by_key: dict[tuple, TensorClass] = {}  # (shape, id(src placement), id(dst placement)) -> class
         self._boxes: dict[tuple, list] = {}  # (shape, id(placement)) -> `unique_boxes`
         self._index: tuple | None = None
@@ -488,7 +495,7 @@ class TensorClasses:
         c = self._by_key.get(key)
         if c is None:
             c = self._by_key[key] = TensorClass(shape, self.unique_boxes(shape, sp), self.unique_boxes(shape, dp),
-                                                self.domains, self.dst.ranks, self._recv_doms)
+                                                self.domains, self.dst.ranks, self._recv_doms, self._grid)
         return c
 
     def index(self) -> tuple[list[TensorClass], list[int]]:
@@ -611,6 +618,14 @@ class Plan:
             raise ConfigError(f"bad regex: {e}", key="--reshard-match") from None
         self.classes = TensorClasses(self.src, self.dst, self.topology)
         self._routes: dict[str, tuple] = {}  # mode (or ("paths", mode)) -> per tensor
+
+    @property
+    def wire(self):
+        """What each reshard-path item carries (`plan.fp8.Wire`: quantized parts into a block-FP8 engine)."""
+        w = self.__dict__.get("_wire")
+        if w is None:
+            w = self.__dict__["_wire"] = Wire(self)
+        return w
 
     def with_class_routes(self, class_routes: ClassRoutes) -> "Plan":
         """This plan with mode auto's routes handed in (its classes, already built, are shared)."""

@@ -160,7 +160,8 @@ class _PairSchedule:
 
     def messages(self, s: int, d: int, items: list) -> list[tuple]:
         """[(key, ((tensor, box, offset), ...), nbytes, (the piece each item is part of, ...))] of the pair
-        s -> d, in bucket order (a piece larger than a bucket travels in parts)."""
+        s -> d, in bucket order (a piece larger than a bucket travels in parts; into a block-FP8 engine a
+        piece travels as its quantized whole blocks and its rim, `plan.wire`)."""
         plan, opts, tensors = self.plan, self.options, self.tensors
         si, di = self.src_idx[s], self.dst_idx[d]
         step = (di - si) % self.m
@@ -169,29 +170,30 @@ class _PairSchedule:
         bucket: list = []
         whole: list = []
         size = end = 0  # next aligned offset; end of the last item (the message length)
-        for t, box in sorted(items, key=lambda x: (x[0], x[1].offsets)):
-            item = self.tensors[t].itemsize
-            nb = box.numel * item
-            if nb >= opts.direct_min_bytes:
-                at_src = _contiguous(plan.src, s, tensors[t].shape, t, box)
-                at_dst = _contiguous(plan.dst, d, tensors[t].shape, t, box)
-                if at_src or at_dst:  # travels alone; only a strided end copies, half a bucket at a time
-                    k = 1 if at_src and at_dst else -(-nb // half)
-                    out.extend((((t, b, 0),), b.numel * item, (box,))
-                               for b in (box.split(k) if k > 1 else [box]) if b.numel)
-                    continue
-            k = -(-nb // half)  # a non-contiguous piece larger than a bucket is split (alike on both ends)
-            for b in (box.split(k) if k > 1 else [box]):
-                nb = b.numel * item
-                if not nb:
-                    continue
-                if bucket and size + nb > half:
-                    out.append((tuple(bucket), end, tuple(whole)))
-                    bucket, whole, size, end = [], [], 0, 0
-                bucket.append((t, b, size))
-                whole.append(box)
-                end = size + nb
-                size = align(end)
+        wire = plan.wire
+        for t, piece in sorted(items, key=lambda x: (x[0], x[1].offsets)):
+            for box in wire.parts(t, piece):  # into an FP8 engine: its whole blocks quantized, the rim not
+                nb = wire.nbytes(t, box)
+                if nb >= opts.direct_min_bytes and not wire.fp8(t, box):
+                    at_src = _contiguous(plan.src, s, tensors[t].shape, t, box)
+                    at_dst = _contiguous(plan.dst, d, tensors[t].shape, t, box)
+                    if at_src or at_dst:  # travels alone; only a strided end copies, half a bucket at a time
+                        k = 1 if at_src and at_dst else -(-nb // half)
+                        out.extend((((t, b, 0),), wire.nbytes(t, b), (piece,))
+                                   for b in (wire.split(t, box, k) if k > 1 else [box]) if b.numel)
+                        continue
+                k = -(-nb // half)  # a part larger than a bucket is split (alike on both ends)
+                for b in (wire.split(t, box, k) if k > 1 else [box]):
+                    nb = wire.nbytes(t, b)
+                    if not nb:
+                        continue
+                    if bucket and size + nb > half:
+                        out.append((tuple(bucket), end, tuple(whole)))
+                        bucket, whole, size, end = [], [], 0, 0
+                    bucket.append((t, b, size))
+                    whole.append(piece)
+                    end = size + nb
+                    size = align(end)
         if bucket:
             out.append((tuple(bucket), end, tuple(whole)))
         return [((step, si, di, n, 0), its, nbytes, wh) for n, (its, nbytes, wh) in enumerate(out)]
@@ -201,7 +203,7 @@ class _PairSchedule:
         out, size, end = [], 0, 0
         for t, box in items:
             out.append((t, box, size))
-            end = size + box.numel * self.tensors[t].itemsize
+            end = size + self.plan.wire.nbytes(t, box)
             size = align(end)
         return tuple(out), end
 

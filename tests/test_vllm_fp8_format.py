@@ -93,12 +93,14 @@ def test_reshard_writes_vllms_fp8_storage_bit_for_bit(tmp_path, arch):
 @pytest.mark.parametrize("arch", ["deepseek-v3", "qwen3-moe"])
 def test_engine_target_refits_fp8_storage_like_vllms_load(tmp_path, arch):
     """The vLLM backend's destination (`EngineTarget`) on a running FP8 model: in groups of whole layers (a
-    budget of one layer), each group's BF16 boxes land in buffers of their own, are quantized in `prepare`
-    (before the agreement), processed by vLLM's own code and committed. Afterwards every tensor the model
+    budget of one layer), each group's quantized boxes are handed out as FP8 and scale views of vLLM's storage
+    and filled with what a sender holding them quantizes, processed by vLLM's own code and committed. Afterwards every tensor the model
     computes with — kernel-format FP8 weights, scales, MLA's W_UK/W_UV derived from them — equals a fresh
     model that vLLM loaded from the FP8 checkpoint and processed itself."""
+    from reshard_cli.base.fp8 import quantize_region
     from reshard_cli.engines.vllm.target import EngineTarget
     from reshard_cli.formats import load_layout
+    from reshard_cli.transfer.shards import FP8Landing
     from reshard_cli.plan.groups import layer_groups
 
     config = ARCHS[arch]
@@ -118,8 +120,15 @@ def test_engine_target_refits_fp8_storage_like_vllms_load(tmp_path, arch):
         buffers = target.open(group, layout.subset(group.tensors))
         for t in group.tensors:
             box = layout.placements[t].box_of(layout.manifest.tensors[t].shape, layout.ranks[0])
-            if not box.empty:
-                buffers[names[t]].copy_(new[names[t]][box.slices()])  # what the transfer writes
+            if box.empty:
+                continue
+            x, into = new[names[t]][box.slices()], buffers[names[t]]
+            if isinstance(into, FP8Landing):  # what the transfer writes: the sender's FP8 bytes and scales
+                q, scale = quantize_region(x, box.offsets, layout.manifest.tensors[t].shape)
+                into.fp8.copy_(q)
+                into.scale.copy_(scale)
+            else:
+                into.copy_(x)
         target.prepare(group)
         target.commit(group)
     vc2, fresh = fp8.build_fp8_model(config)

@@ -41,7 +41,7 @@ from reshard_cli.transfer.comm import STALL, WORLD, GroupComm, WorldComm, world_
 from reshard_cli.transfer.watchdog import GroupBroken
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.pipeline import build_engine, ready_plan, transfer_options
-from reshard_cli.transfer.shards import LocalShard
+from reshard_cli.transfer.shards import FP8Landing, LocalShard
 
 
 @dataclass
@@ -65,7 +65,8 @@ class Stage:
     into its own format and release the staging before the next group arrives."""
 
     def open(self, group: Group, layout: Layout) -> Mapping[str, torch.Tensor]:
-        """Buffers for the group's tensors (`layout` holds only them), keyed by checkpoint name."""
+        """Buffers for the group's tensors (`layout` holds only them), keyed by checkpoint name; a block-FP8
+        engine's quantized weights as `FP8Landing`s (its storage, where the refit writes FP8 bytes and scales)."""
         raise NotImplementedError
 
     def prepare(self, group: Group) -> None:
@@ -380,7 +381,11 @@ class Refit:
                 if spec.name not in tensors:
                     raise ConfigError(f"rank {self.rank} holds {spec.name!r} in the {role} layout but did not pass it",
                                       key=spec.name)
-                local = _local(tensors[spec.name])
+                given = tensors[spec.name]
+                if role == "dst" and t in part.plan.wire.quantized:
+                    out[t] = _fp8_shard(self.rank, spec, box, given, part.plan.wire.block)
+                    continue
+                local = _local(given)
                 if tuple(local.shape) != box.sizes or str(local.dtype).removeprefix("torch.") != spec.dtype:
                     raise ConfigError(f"rank {self.rank}: {spec.name} is {list(local.shape)} {local.dtype}, the "
                                       f"{role} layout expects {list(box.sizes)} {spec.dtype}", key=spec.name)
@@ -397,6 +402,7 @@ class Refit:
         eng.bytes_sent = eng.bytes_received = 0  # this refit's, not a running total
         eng.run_reshard()
         eng.run_broadcast()
+        eng.quantize_received()  # a block-FP8 engine: the blocks that arrived unquantized
         self.comm.synchronize(eng.device, what="the transfer")  # CUDA: polled under the watchdog
 
     def _verify(self, part: _Part) -> bool:
@@ -521,9 +527,27 @@ def _storage_of(tensors: Mapping[str, torch.Tensor]) -> tuple:
     of the same memory with the same shapes, strides and dtypes."""
     out = []
     for name, x in tensors.items():
-        x = _local(x)
-        out.append((name, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device))
+        for y in ((x.data, x.fp8, x.scale) if isinstance(x, FP8Landing) else (_local(x),)):
+            out.append((name, y.data_ptr(), tuple(y.shape), y.stride(), y.dtype, y.device))
     return tuple(out)
+
+
+def _fp8_shard(rank: int, spec: TensorSpec, box, given, block: tuple) -> LocalShard:
+    """A block-FP8 engine's weight: an `FP8Landing` (its storage and a buffer for what arrives unquantized)."""
+    from reshard_cli.base.blocks import blocks_of
+
+    if not isinstance(given, FP8Landing):
+        raise ConfigError(f"rank {rank}: {spec.name} is block-FP8 in the destination layout (engine.quantization): "
+                          "pass its engine storage as an FP8Landing, as an engine's Stage.open does", key=spec.name)
+    want = ((box.sizes, spec.dtype), (box.sizes, "float8_e4m3fn"), (blocks_of(box.sizes, block), "float32"))
+    for what, x, (shape, dtype) in zip(("buffer", "FP8 storage", "scales"), (given.data, given.fp8, given.scale),
+                                       want):
+        if tuple(x.shape) != tuple(shape) or str(x.dtype).removeprefix("torch.") != dtype:
+            raise ConfigError(f"rank {rank}: {spec.name}: the {what} is {list(x.shape)} {x.dtype}, the destination "
+                              f"layout expects {list(shape)} {dtype}", key=spec.name)
+    if not given.data.is_contiguous():
+        raise ConfigError(f"rank {rank}: destination buffer {spec.name} must be contiguous", key=spec.name)
+    return LocalShard(box, given.data, given.fp8, given.scale)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

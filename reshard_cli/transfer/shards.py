@@ -19,16 +19,39 @@ SENTINEL_BYTE = 0xA5  # destination buffers start as this pattern: a region neve
 @dataclass
 class LocalShard:
     """A rank's local shard of one tensor: the global box it covers and its data (a view, never a copy; a
-    source may be `Fragments`)."""
+    source may be `Fragments`). A block-FP8 engine's weight (`FP8Landing`) also has `fp8` and `scale`, its
+    storage: quantized items land there, `data` takes the ones that arrive in the source's dtype."""
 
     box: Box
     data: "torch.Tensor | Fragments"
+    fp8: torch.Tensor | None = None  # the box's FP8 bytes (float8_e4m3fn), engine storage
+    scale: torch.Tensor | None = None  # its blocks' float32 scales
 
     def read(self, box: Box) -> torch.Tensor:
         """Global region `box` (inside this shard's box) of the data."""
         if isinstance(self.data, Fragments):
             return self.data.read(box)
         return self.data[box.local_slices(self.box)]
+
+    def read_fp8(self, box: Box, block: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block-FP8 weight's storage of global region `box` (whole blocks, inside this shard's box, which is
+        on the block grid): its FP8 bytes and its scales."""
+        rel = box.relative_to(self.box)
+        blocks = tuple(slice(o // b, -(-(o + n) // b)) for o, n, b in zip(rel[-2:], box.sizes[-2:], block))
+        lead = tuple(slice(o, o + n) for o, n in zip(rel[:-2], box.sizes[:-2]))
+        return self.fp8[box.local_slices(self.box)], self.scale[lead + blocks]
+
+
+@dataclass(frozen=True)
+class FP8Landing:
+    """A destination buffer for one box of a block-FP8 engine's weight, as an engine's `Stage.open` hands it
+    out: the engine's FP8 storage of the box and of its scales (written in place: the whole blocks a sender
+    quantized land there, and the blocks completed here are quantized into them once the transfer is done),
+    and a buffer in the source's dtype for the items that arrive unquantized."""
+
+    data: torch.Tensor  # the box, in the checkpoint's dtype
+    fp8: torch.Tensor  # float8_e4m3fn, the box's shape
+    scale: torch.Tensor  # float32, `blocks_of(box)`
 
 
 def read_source_shards(layout: Layout, rank: int, source, device: torch.device) -> dict[int, LocalShard]:

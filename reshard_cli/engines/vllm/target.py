@@ -12,6 +12,7 @@ from reshard_cli.engines.vllm import compat, cpu_repairs
 from reshard_cli.errors import ConfigError
 from reshard_cli.plan.groups import layer_groups
 from reshard_cli.transfer.live import Stage
+from reshard_cli.transfer.shards import FP8Landing
 
 
 class EngineTarget(Stage):
@@ -63,8 +64,8 @@ class EngineTarget(Stage):
         self.padded = {et.name for et in self.storage
                        if not et.scales and sum(v.box.numel for v in et.views) < _numel(et.shape)}
         self.open_group: tuple | None = None  # (staged modules, {name: (parameter, copy)}, their attributes)
-        self.landing: list = []  # a block-FP8 engine's open group: (BF16 landing buffer, FP8 view, scale view,
-        # box offsets, full shape) per quantized checkpoint box, quantized in `prepare`
+        self.landing: list = []  # a block-FP8 engine's open group: the BF16 landing buffer of each quantized
+        # checkpoint box (the refit quantizes what lands there into the FP8 views)
         self.peak_staged_bytes = 0  # measured: the most bytes the open group held at once, this update
         self.largest_layer_bytes = max((u.nbytes for u in layer_groups(layout, 1)), default=0)  # the least a
         # group can stage (whole layers), on the destination rank that stages the most
@@ -119,7 +120,7 @@ class EngineTarget(Stage):
                     seen[st.data_ptr()] = st.nbytes()
             for _param, copy in copies.values():
                 seen[copy.untyped_storage().data_ptr()] = copy.untyped_storage().nbytes()
-            for buf, *_ in self.landing:
+            for buf in self.landing:
                 seen[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
             held = sum(seen.values())
         self.peak_staged_bytes = max(self.peak_staged_bytes, held)
@@ -158,9 +159,10 @@ class EngineTarget(Stage):
         return buffers
 
     def _land_fp8(self, tensors: list, params: dict, layout, buffers: dict) -> None:
-        """A block-FP8 engine: each quantized checkpoint box lands as BF16 (what the trainer sends) in a buffer
-        of its own, quantized into its FP8 view and its scales' view in `prepare` (the box holds whole
-        blocks: the layout is checked so)."""
+        """A block-FP8 engine: each quantized checkpoint box is handed to the refit as an `FP8Landing` of its FP8
+        view and its scales' view (the box holds whole blocks: the layout is checked so), where the blocks a
+        sender quantized land, and a BF16 buffer of its own for the blocks that arrive unquantized, which the
+        refit quantizes into the views once the group's transfer is done."""
         q = layout.quantization
         if q is None or not q.block:
             return
@@ -174,17 +176,8 @@ class EngineTarget(Stage):
             for v, sv in zip(et.views, scale_et.scales):
                 spec = specs[v.tensor]
                 buf = torch.empty(v.box.sizes, dtype=getattr(torch, spec.dtype), device=data.device)
-                buffers[spec.name] = buf
-                self.landing.append((buf, data[v.region], scale[sv.region], v.box.offsets, spec.shape))
-
-    def _quantize_landed(self) -> None:
-        from reshard_cli.base.fp8 import quantize_region
-
-        for buf, fp8, scale, offsets, shape in self.landing:
-            q, s = quantize_region(buf, offsets, shape)
-            fp8.copy_(q)
-            scale.copy_(s)
-        self.landing = []
+                buffers[spec.name] = FP8Landing(buf, data[v.region], scale[sv.region])
+                self.landing.append(buf)
 
     def prepare(self, group) -> None:
         """vLLM's post-processing of the group's staged modules into the kernels' format (after the refit
@@ -192,8 +185,8 @@ class EngineTarget(Stage):
         what the model computes with is untouched. A failure leaves the group open for the refit's abort."""
         t0 = time.perf_counter()
         modules, _copies, _attrs = self.open_group
-        self._measure()  # with the BF16 landing buffers of an FP8 engine, dropped once quantized
-        self._quantize_landed()
+        self._measure()  # with the BF16 landing buffers of an FP8 engine, dropped once processed
+        self.landing = []
         for module in modules.values():
             compat.process_staged(module)
             cpu_repairs.repack_experts(module)

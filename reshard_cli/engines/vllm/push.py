@@ -13,6 +13,7 @@ from reshard_cli.base.ports import free_port
 from reshard_cli.base.text import fmt_bytes, table
 from reshard_cli.engines.vllm.clients import check_fleet, http_client, portable_layout
 from reshard_cli.layouts import bundled
+from reshard_cli.plan.fp8 import fp8_figures
 from reshard_cli.plan.planner import Plan
 from reshard_cli.transfer import launcher, run
 from reshard_cli.transfer.results import RunReport
@@ -103,6 +104,15 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
              f"({plan.dst.size} workers in {len(replicas)} replica(s), {plan.dst.name})  mode {doc['mode']}  "
              f"iters {opts.iters}{' (median after warm-up)' if opts.iters > 1 else ''}",
              table(["path", "tensors", "bytes", "wire", "forwarded", "time ms", "GB/s", "#wrong"], rows)]
+    fp8 = fp8_figures(plan, stats)
+    if fp8 is not None:
+        doc["fp8"] = {k: fp8[k] for k in ("scheme", "sender_share", "sender_quantized_bytes",
+                                          "receiver_quantized_bytes", "unquantized_bytes", "wire_bytes",
+                                          "bf16_wire_bytes")}
+        where = ("whole blocks quantized by the trainer, cut blocks in BF16 quantized by the workers" if fp8["block"]
+                 else "BF16, quantized by vLLM after loading")
+        lines.append(f"  fp8 engine ({fp8['scheme']}): {where}; the plan's wire {fmt_bytes(fp8['wire_bytes'])}, "
+                     f"a BF16 engine's {fmt_bytes(fp8['bf16_wire_bytes'])}")
     if fleet:
         lines.append(f"  fleet: {fleet['replicas']} replica(s) x {fleet['workers_per_replica']} worker(s); the trainer "
                      f"sent {fmt_bytes(doc['wire_bytes'])} (plan {fmt_bytes(fleet['wire_bytes'])}, minimum "

@@ -173,3 +173,89 @@ def test_sender_quantized_refit_equals_vllm_quantizer(tmp_path):
     sent = sum(results[r][("reshard", False)]["sent"] for r in results)
     assert sent < 0.75 * fig["bf16_wire_bytes"]
     assert abs(sent - fig["wire_bytes"]) <= 0.01 * fig["wire_bytes"], (sent, fig["wire_bytes"])
+
+
+def _staged(rank, world, src_path, dst_path):
+    """A Refit in groups of whole layers into a stage that hands out FP8Landings without BF16 buffers (as the
+    vLLM backend does): returns what landed, which boxes got a BF16 buffer, and whether any buffer of a
+    finished group is still alive once the stage let go of it."""
+    import gc
+    import weakref
+
+    from reshard_cli.base.blocks import blocks_of
+    from reshard_cli.formats import load_pair
+    from reshard_cli.transfer.live import Refit, Stage
+    from reshard_cli.transfer.shards import FP8Landing
+
+    src, dst = load_pair(src_path, dst_path)
+    man = src.manifest.tensors
+    ref = _reference(src.manifest)
+    refit = Refit("src" if rank in src.ranks else "dst", src=src, dst=dst, mode="reshard", stage_mb=0.5)
+    if rank in src.ranks:
+        tensors = {s.name: ref[t][src.placements[t].box_of(s.shape, rank).slices()].clone() for t, s in enumerate(man)
+                   if rank in src.placements[t].holder_set}
+        stats = refit(tensors, verify_checksums=True)
+        return {"ok": stats.checksums_ok, "groups": stats.groups}
+
+    class Into(Stage):
+        def __init__(self):
+            self.out, self.bf16, self.alive = {}, {}, []
+
+        def open(self, group, layout):
+            self.cur = {}
+            for t in group.tensors:
+                spec, box = man[t], dst.placements[t].box_of(man[t].shape, rank)
+                if layout.quantization.quantizes(spec.name, spec.shape):
+                    self.cur[spec.name] = FP8Landing(
+                        torch.full(box.sizes, SENTINEL, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                        torch.full(blocks_of(box.sizes), -1.0))
+                else:
+                    self.cur[spec.name] = torch.full(box.sizes, float("nan"), dtype=getattr(torch, spec.dtype))
+            return self.cur
+
+        def commit(self, group):
+            for name, x in self.cur.items():
+                if isinstance(x, FP8Landing):
+                    self.out[name] = (x.fp8.view(torch.uint8).numpy().copy(), x.scale.numpy().copy())
+                    self.bf16[name] = [tuple(b.shape) for b in x.held]
+                    self.alive += [weakref.ref(b) for b in (x.fp8, *x.held)]
+                else:
+                    self.out[name] = (x.view(torch.uint8).numpy().copy(), None)
+                    self.alive.append(weakref.ref(x))
+            self.cur = None
+
+    stage = Into()
+    stats = refit(verify_checksums=True, stage=stage)
+    gc.collect()
+    return {"ok": stats.checksums_ok, "groups": stats.groups, "out": stage.out, "bf16": stage.bf16,
+            "alive": sum(1 for r in stage.alive if r() is not None)}
+
+
+def test_staged_refit_lands_in_fp8_views_and_lets_go_of_each_group(tmp_path):
+    """Through `Refit` in staging groups, into FP8Landings without BF16 buffers: the refit allocates one only
+    for boxes that receive cut blocks (the 640-row tensors, cut at rows 214 and 428), none for those the
+    senders quantize whole (the experts' 384-row gate/up, cut on the grid); the result equals vLLM's
+    quantizer; and once a group is committed nothing of the refit keeps its buffers alive."""
+    deep_gemm = pytest.importorskip("vllm.utils.deep_gemm", reason="vLLM's reference quantizer")
+    src_path, dst_path = _pair(tmp_path)
+    (tmp_path / "dst.yaml").write_text("model: config.json\nformat: vllm\nmesh: {tp: 1}\n"
+                                       "engine: {quantization: fp8}\n")
+    results = run_ranks(4, _staged, str(src_path), str(dst_path))
+    got = results[3]
+    assert all(r["ok"] for r in results.values()) and got["groups"] > 1
+    assert got["alive"] == 0
+    from reshard_cli.formats import load_pair
+
+    src, _dst = load_pair(src_path, dst_path)
+    ref = {spec.name: x for spec, x in zip(src.manifest.tensors, _reference(src.manifest))}
+    for name, (data, scale) in got["out"].items():
+        if scale is None:
+            assert torch.equal(torch.from_numpy(data), ref[name].view(torch.uint8) if ref[name].dim() else
+                               ref[name].reshape(1).view(torch.uint8).reshape(())), name
+            continue
+        fq, fs = deep_gemm.per_block_cast_to_fp8(ref[name], [128, 128], use_ue8m0=False)
+        assert torch.equal(torch.from_numpy(data), fq.view(torch.uint8)), name
+        assert torch.equal(torch.from_numpy(scale), fs), name
+    bf16 = got["bf16"]
+    assert bf16["model.layers.0.mlp.experts.0.gate_proj.weight"] == [(0, 0)]  # no buffer: all sent as FP8
+    assert bf16["model.layers.0.self_attn.q_proj.weight"] == [(640, 640)]  # blocks cut at rows 214 and 428

@@ -64,6 +64,20 @@ class Wire:
         """`box` in `k` parts (alike on both ends); a quantized part's stay whole blocks."""
         return grid_split(box, k, self.shapes[t], self.block) if self.fp8(t, box) else box.split(k)
 
+    def unquantized_into(self, plan, t: int, box: Box) -> bool:
+        """Whether destination box `box` of quantized tensor `t` receives any item unquantized: all of it when
+        the tensor is broadcast, else the rims of its intersections with the source boxes (the planner cuts
+        forwarded parts on the grid, so they add none)."""
+        from reshard_cli.plan.terms import Route
+
+        if plan.routes[t] == Route.BROADCAST:
+            return True
+        for a, _holders in plan.unique_boxes(self.shapes[t], plan.src.placements[t]):
+            r = a.intersect(box)
+            if r is not None and split_whole(r, self.shapes[t], self.block)[1]:
+                return True
+        return False
+
     def scale_at(self, box: Box) -> int:
         """Where a quantized item's scales start, in bytes from the item's start."""
         return -(-box.numel // SCALE_ALIGN) * SCALE_ALIGN

@@ -151,6 +151,12 @@ class Engine:
             v = self._views[(1, t, box)] = sh.data[box.local_slices(sh.box)]
         return v
 
+    def unbind_destination(self) -> None:
+        """Forget the destination buffers (an engine's staging group, done): the next run needs new ones."""
+        self.dst_shards = {}
+        self._views.clear()
+        self._bound = None
+
     def _fresh_views(self) -> None:
         """Views are kept between refits while the shards are the same objects (a rebind drops them)."""
         bound = (self.src_shards, self.dst_shards)

@@ -383,7 +383,7 @@ class Refit:
                                       key=spec.name)
                 given = tensors[spec.name]
                 if role == "dst" and t in part.plan.wire.quantized:
-                    out[t] = _fp8_shard(self.rank, spec, box, given, part.plan.wire.block)
+                    out[t] = _fp8_shard(self.rank, spec, box, given, part.plan, t)
                     continue
                 local = _local(given)
                 if tuple(local.shape) != box.sizes or str(local.dtype).removeprefix("torch.") != spec.dtype:
@@ -434,6 +434,10 @@ class Refit:
                 opened.abort(part.group)
             raise RefitFailed(f"{e}; {self._progress(i)}", self.groups[:i], self.groups, broken=True,
                               ranks=e.ranks) from None
+        finally:
+            if opened is not None and part.engine is not None:  # the group's buffers are the engine's again:
+                part.engine.unbind_destination()  # holding on to them would keep every group's staging alive
+                part.bound = None
 
     def _group_steps(self, i: int, part: _Part, tensors, verify_checksums: bool, opened: Stage | None) -> bool:
         error, shards, code = None, None, 1
@@ -527,27 +531,36 @@ def _storage_of(tensors: Mapping[str, torch.Tensor]) -> tuple:
     of the same memory with the same shapes, strides and dtypes."""
     out = []
     for name, x in tensors.items():
-        for y in ((x.data, x.fp8, x.scale) if isinstance(x, FP8Landing) else (_local(x),)):
+        for y in ((x.fp8, x.scale) + ((x.data,) if x.data is not None else ()) if isinstance(x, FP8Landing)
+                  else (_local(x),)):
             out.append((name, y.data_ptr(), tuple(y.shape), y.stride(), y.dtype, y.device))
     return tuple(out)
 
 
-def _fp8_shard(rank: int, spec: TensorSpec, box, given, block: tuple) -> LocalShard:
-    """A block-FP8 engine's weight: an `FP8Landing` (its storage and a buffer for what arrives unquantized)."""
+def _fp8_shard(rank: int, spec: TensorSpec, box, given, plan, t: int) -> LocalShard:
+    """A block-FP8 engine's weight: an `FP8Landing` (its storage, and a buffer for what arrives unquantized,
+    allocated here when the landing has none and the plan sends the box such items)."""
     from reshard_cli.base.blocks import blocks_of
 
     if not isinstance(given, FP8Landing):
         raise ConfigError(f"rank {rank}: {spec.name} is block-FP8 in the destination layout (engine.quantization): "
                           "pass its engine storage as an FP8Landing, as an engine's Stage.open does", key=spec.name)
-    want = ((box.sizes, spec.dtype), (box.sizes, "float8_e4m3fn"), (blocks_of(box.sizes, block), "float32"))
-    for what, x, (shape, dtype) in zip(("buffer", "FP8 storage", "scales"), (given.data, given.fp8, given.scale),
-                                       want):
+    data = given.data
+    if data is None:
+        need = plan.wire.unquantized_into(plan, t, box)
+        data = torch.empty(box.sizes if need else (0,) * len(box.sizes), dtype=getattr(torch, spec.dtype),
+                           device=given.fp8.device)
+        given.held.append(data)
+    want = ((box.sizes, "float8_e4m3fn"), (blocks_of(box.sizes, plan.wire.block), "float32"))
+    for what, x, (shape, dtype) in zip(("FP8 storage", "scales"), (given.fp8, given.scale), want):
         if tuple(x.shape) != tuple(shape) or str(x.dtype).removeprefix("torch.") != dtype:
             raise ConfigError(f"rank {rank}: {spec.name}: the {what} is {list(x.shape)} {x.dtype}, the destination "
                               f"layout expects {list(shape)} {dtype}", key=spec.name)
-    if not given.data.is_contiguous():
-        raise ConfigError(f"rank {rank}: destination buffer {spec.name} must be contiguous", key=spec.name)
-    return LocalShard(box, given.data, given.fp8, given.scale)
+    if data.numel() and (tuple(data.shape) != box.sizes or not data.is_contiguous()
+                         or str(data.dtype).removeprefix("torch.") != spec.dtype):
+        raise ConfigError(f"rank {rank}: {spec.name}: the buffer is {list(data.shape)} {data.dtype}, the destination "
+                          f"layout expects {list(box.sizes)} {spec.dtype}, contiguous", key=spec.name)
+    return LocalShard(box, data, given.fp8, given.scale)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ exact comparison or the checksum: verification proves every byte arrived, not ju
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,13 +45,16 @@ class LocalShard:
 @dataclass(frozen=True)
 class FP8Landing:
     """A destination buffer for one box of a block-FP8 engine's weight, as an engine's `Stage.open` hands it
-    out: the engine's FP8 storage of the box and of its scales (written in place: the whole blocks a sender
-    quantized land there, and the blocks completed here are quantized into them once the transfer is done),
-    and a buffer in the source's dtype for the items that arrive unquantized."""
+    out: the engine's FP8 storage of the box and of its scales, written in place (the whole blocks a sender
+    quantized land there, and the blocks completed here are quantized into them once the transfer is done).
+    Items that arrive unquantized (blocks a source shard cuts, broadcast tensors) need a buffer in the
+    source's dtype: `data`, or when None one the refit allocates only if the plan sends this box such items,
+    and appends to `held` (the engine's to count and drop)."""
 
-    data: torch.Tensor  # the box, in the checkpoint's dtype
     fp8: torch.Tensor  # float8_e4m3fn, the box's shape
     scale: torch.Tensor  # float32, `blocks_of(box)`
+    data: torch.Tensor | None = None  # the box, in the checkpoint's dtype
+    held: list = field(default_factory=list, compare=False)
 
 
 def read_source_shards(layout: Layout, rank: int, source, device: torch.device) -> dict[int, LocalShard]:

@@ -64,8 +64,8 @@ class EngineTarget(Stage):
         self.padded = {et.name for et in self.storage
                        if not et.scales and sum(v.box.numel for v in et.views) < _numel(et.shape)}
         self.open_group: tuple | None = None  # (staged modules, {name: (parameter, copy)}, their attributes)
-        self.landing: list = []  # a block-FP8 engine's open group: the BF16 landing buffer of each quantized
-        # checkpoint box (the refit quantizes what lands there into the FP8 views)
+        self.landing: list = []  # a block-FP8 engine's open group: the BF16 buffers the refit allocated for
+        # blocks that arrive unquantized (it quantizes them into the FP8 views)
         self.peak_staged_bytes = 0  # measured: the most bytes the open group held at once, this update
         self.largest_layer_bytes = max((u.nbytes for u in layer_groups(layout, 1)), default=0)  # the least a
         # group can stage (whole layers), on the destination rank that stages the most
@@ -161,8 +161,9 @@ class EngineTarget(Stage):
     def _land_fp8(self, tensors: list, params: dict, layout, buffers: dict) -> None:
         """A block-FP8 engine: each quantized checkpoint box is handed to the refit as an `FP8Landing` of its FP8
         view and its scales' view (the box holds whole blocks: the layout is checked so), where the blocks a
-        sender quantized land, and a BF16 buffer of its own for the blocks that arrive unquantized, which the
-        refit quantizes into the views once the group's transfer is done."""
+        sender quantized land. Where the plan sends a box blocks unquantized, the refit allocates a BF16
+        buffer for them (kept in `landing`, counted and dropped here) and quantizes them into the views once
+        the group's transfer is done."""
         q = layout.quantization
         if q is None or not q.block:
             return
@@ -174,10 +175,7 @@ class EngineTarget(Stage):
             scale_et = scales[et.name.removesuffix("weight") + "weight_scale_inv"]
             data, scale = params[et.name].data, params[scale_et.name].data
             for v, sv in zip(et.views, scale_et.scales):
-                spec = specs[v.tensor]
-                buf = torch.empty(v.box.sizes, dtype=getattr(torch, spec.dtype), device=data.device)
-                buffers[spec.name] = FP8Landing(buf, data[v.region], scale[sv.region])
-                self.landing.append(buf)
+                buffers[specs[v.tensor].name] = FP8Landing(data[v.region], scale[sv.region], held=self.landing)
 
     def prepare(self, group) -> None:
         """vLLM's post-processing of the group's staged modules into the kernels' format (after the refit
@@ -186,7 +184,7 @@ class EngineTarget(Stage):
         t0 = time.perf_counter()
         modules, _copies, _attrs = self.open_group
         self._measure()  # with the BF16 landing buffers of an FP8 engine, dropped once processed
-        self.landing = []
+        self.landing.clear()
         for module in modules.values():
             compat.process_staged(module)
             cpu_repairs.repack_experts(module)
@@ -219,7 +217,7 @@ class EngineTarget(Stage):
         """vLLM's finalize on the open group's staged modules: their previous kernel tensors back, and the
         kernel state their processing may have replaced (prepared but not committed) as it was; the copies
         of the other parameters dropped."""
-        self.landing = []
+        self.landing.clear()
         if self.open_group is None:
             return
         modules, _copies, attrs = self.open_group

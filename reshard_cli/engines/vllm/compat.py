@@ -164,8 +164,12 @@ def post_processed(module) -> bool:
 def derived_layers(model, staged: dict) -> dict:
     """Layers whose own tensors vLLM derives at load from a staged module's weights (MLA's attention builds
     W_UK_T / W_UV from kv_b_proj): staged module name -> [(layer name, layer)]. vLLM's own load processes them
-    after every other layer (`process_weights_after_loading(dtype)` on attention layers)."""
-    from vllm.model_executor.layers.attention import MLAAttention
+    after every other layer (`process_weights_after_loading(dtype)` on attention layers). A vLLM without that
+    class has none to name: an MLA model's derived tensors are then refused as unfilled, in one line."""
+    try:
+        from vllm.model_executor.layers.attention import MLAAttention
+    except ImportError:
+        return {}
 
     by_id = {id(m): name for name, m in staged.items()}
     out: dict = {}

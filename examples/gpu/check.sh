@@ -23,3 +23,5 @@ PY
 # the watchdog on CUDA: a guarded wait polls events (a long kernel is named, not waited on blindly), and a
 # fault aborts an NCCL communicator from the guard, returning control (examples/gpu/guard_check.py)
 python examples/gpu/guard_check.py | tee "$out/guard.txt"
+# FP8 quantize-on-send on CUDA: bytes against the CPU's, GB/s against a device copy (examples/gpu/fp8_check.py)
+python examples/gpu/fp8_check.py | tee "$out/fp8.txt"

@@ -167,6 +167,8 @@ def run(
     stage_mb: Optional[float] = typer.Option(None, "--stage-mb", help="Into a running engine: checkpoint-format "
                                              "MiB each worker stages at once, whole layers (0: the whole model; "
                                              "default: the layout's engine.stage_mb, else 1024)."),
+    require_all: bool = typer.Option(False, "--require-all", help="Into a fleet (`engine: {url: [...]}`): every "
+                                     "engine must answer (default: refit the ones that do and name the others)."),
     scale: int = ScaleOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch commands and the rank -> node -> "
                                  "group -> mesh -> domain map, start nothing."),
@@ -182,7 +184,8 @@ def run(
     opts = run_mod.RunOptions(src=src, dst=dst, topology=topology, mode=mode, reshard_match=reshard_match,
                               backend=backend, bucket_mb=bucket_mb, source=source, out=out, overwrite=overwrite,
                               iters=iters, json=json_out, quiet=quiet, timeout=timeout, link_test=link_test,
-                              refit_host=refit_host, stage_mb=stage_mb, scale=scale, argv=sys.argv[1:])
+                              refit_host=refit_host, stage_mb=stage_mb, require_all=require_all, scale=scale,
+                              argv=sys.argv[1:])
     if iters < 1:
         raise ConfigError("must be >= 1", key="--iters")
     if bucket_mb <= 0:

@@ -72,3 +72,30 @@ def test_a_fleet_the_layout_does_not_describe_is_one_line(fleet, mesh, expected)
     lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
     one, two = fleet["urls"]
     assert len(lines) == 1 and expected.format(one=one, two=two) in lines[0], p.stderr
+
+
+def test_a_server_down_at_the_start_is_named_and_the_others_are_refitted(fleet):
+    """`engine: {url: [A, down, B]}` with `dp: 3`: the fleet is the two servers that answer (the layout's
+    replica twice, forwarding re-planned for them); the run names the one down and exits 0, both servers then
+    serve exactly what vLLM's loader made of the checkpoint pushed. `--require-all` makes it one line."""
+    from reshard_cli.base.ports import free_port
+
+    one, two = fleet["urls"]
+    dead = f"http://127.0.0.1:{free_port()}"
+    (fleet["root"] / "three.yaml").write_text((fleet["root"] / "fleet.yaml").read_text().replace(
+        "{dp: 2, tp: 1}", "{dp: 3, tp: 1}").replace(f"'{one}', '{two}'", f"'{one}', '{dead}', '{two}'"))
+    from_vllm = _served(fleet)  # A, as each server loaded it (the tests before push A back last)
+    p = _run(fleet, "--source", f"safetensors:{fleet['b']}", "--json", "down.json", dst="three.yaml")
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((fleet["root"] / "down.json").read_text())
+    assert list(doc["down"]) == [dead] and f"cannot reach a vLLM engine at {dead}" in p.stdout, p.stdout
+    assert doc["ok"] and doc["replicas_identical"] and len(doc["replicas"]) == 2, doc
+    after_b = _served(fleet)
+    assert after_b[0] == after_b[1] != from_vllm[0]
+    p = _run(fleet, "--source", f"safetensors:{fleet['a']}", "--require-all", dst="three.yaml")
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and f"cannot reach a vLLM engine at {dead}" in lines[0], p.stderr
+    p = _run(fleet, "--source", f"safetensors:{fleet['a']}", dst="three.yaml")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert _served(fleet) == from_vllm  # both back on A, bit for bit

@@ -64,6 +64,7 @@ class RunOptions(JobOptions):
     link_test: bool = True
     refit_host: str | None = None  # where a running engine reaches this job's rank 0 (`engine: {url}` layouts)
     stage_mb: float | None = None  # into a running engine: what each worker stages at once (the layout's else)
+    require_all: bool = False  # into a fleet: an engine that does not answer is an error (else: refit the others)
 
     @property
     def transfer(self) -> TransferOptions:

@@ -130,15 +130,48 @@ def check_engine(url: str, per_replica: int, timeout: float = 30.0) -> int:
     return sizes[0] // sizes[1]
 
 
-def check_fleet(urls: tuple, dst, timeout: float = 30.0) -> list[int]:
-    """Every engine of a fleet (`engine: {url: [...]}`) reachable, with the layout's replica shape, and as many
-    replicas in all as the layout's `dp`: each engine's replica count, or one ConfigError naming the engine."""
+class EngineDown(ConfigError):
+    """No engine answers at the URL (refused, timed out, no route): it is down, not misconfigured."""
+
+
+def check_fleet(urls: tuple, dst, timeout: float = 30.0, *, require_all: bool = True) -> tuple[list, dict]:
+    """The engines of a fleet (`engine: {url: [...]}`): each reachable one with the layout's replica shape, and
+    as many replicas in all as the layout's `dp`. Returns (each engine's replica count, None for one that is
+    down; {url: why} of those down). `require_all`: a down engine is an error; otherwise the fleet is the
+    reachable engines (at least one), each down one counted as at least one of the layout's replicas. Any
+    other mismatch is one ConfigError naming the engine."""
     fleet = fleet_of(dst)
-    counts = [check_engine(url, fleet.per_replica, timeout) for url in urls]
-    if sum(counts) != fleet.replicas:
+    counts: list = []
+    down: dict[str, str] = {}
+    for url in urls:
+        try:
+            counts.append(check_engine(url, fleet.per_replica, timeout))
+        except EngineDown as e:
+            if require_all or len(urls) == 1:
+                raise
+            counts.append(None)
+            down[url] = str(e)
+    if len(down) == len(urls):
+        raise ConfigError(f"no engine of the fleet answers: {'; '.join(down.values())}", key="engine.url")
+    up = sum(c for c in counts if c is not None)
+    if (up != fleet.replicas) if not down else (up + len(down) > fleet.replicas):
+        shown = " + ".join("down" if c is None else str(c) for c in counts)
         raise ConfigError(f"the layout has {fleet.replicas} replica(s) (dp {fleet.replicas}), the engine(s) at "
-                          f"{', '.join(urls)} run {sum(counts)} ({' + '.join(map(str, counts))})", key="engine.url")
-    return counts
+                          f"{', '.join(urls)} run {up} ({shown})", key="engine.url")
+    return counts, down
+
+
+def fleet_layout(text: str, urls: list, replicas: int) -> str:
+    """A fleet layout's YAML text (`portable_layout`) for its members only: `engine.url` the members' URLs and
+    the `dp` of `mesh` their replica count (the replicas' own parallelism unchanged)."""
+    doc = yaml.safe_load(text)
+    mesh = doc.get("mesh")
+    if not isinstance(mesh, dict) or "dp" not in mesh:
+        raise ConfigError("a fleet that refits without some of its engines needs its replicas as `mesh: {dp: N, ...}`",
+                          key="mesh")
+    mesh["dp"] = replicas
+    doc.setdefault("engine", {})["url"] = list(urls) if len(urls) > 1 else urls[0]
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def _world_size(url: str, include_dp: str, timeout: float) -> int:
@@ -153,7 +186,7 @@ def _world_size(url: str, include_dp: str, timeout: float) -> int:
         raise ConfigError(f"the engine at {url} answered HTTP {e.code}", key="engine.url") from None
     except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
         reason = getattr(e, "reason", None) or e
-        raise ConfigError(f"cannot reach a vLLM engine at {url}: {reason}", key="engine.url") from None
+        raise EngineDown(f"cannot reach a vLLM engine at {url}: {reason}", key="engine.url") from None
 
 
 def portable_layout(file: str) -> str:

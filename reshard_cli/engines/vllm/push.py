@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -11,11 +12,13 @@ import torch.distributed as dist
 from reshard_cli.base import checksums
 from reshard_cli.base.ports import free_port
 from reshard_cli.base.text import fmt_bytes, table
-from reshard_cli.engines.vllm.clients import check_fleet, http_client, portable_layout
+from reshard_cli.engines.vllm.clients import check_fleet, fleet_layout, http_client, portable_layout
+from reshard_cli.engines.vllm.handshake import layouts
 from reshard_cli.layouts import bundled
 from reshard_cli.plan.fp8 import fp8_figures
 from reshard_cli.plan.planner import Plan
 from reshard_cli.transfer import launcher, run
+from reshard_cli.transfer.pipeline import ready_plan
 from reshard_cli.transfer.results import RunReport
 from reshard_cli.transfer.run import RunOptions, load
 
@@ -27,25 +30,37 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
     checksums the workers compute of what they hold against the sources'."""
     url = plan.dst.engine_url
     source, src_shards, _ = load(opts, plan, rank, device)
-    counts = []
+    counts, down = [], {}
+    src_text, dst_text = portable_layout(plan.src.file), portable_layout(plan.dst.file)
     with launcher.collected("reaching the engine"):
         if rank == 0:
-            counts = check_fleet(plan.dst.engine_urls, plan.dst, timeout=min(opts.timeout, 30.0))
+            counts, down = check_fleet(plan.dst.engine_urls, plan.dst, timeout=min(opts.timeout, 30.0),
+                                       require_all=opts.require_all)
+            if down:  # the fleet is the engines that answer: the layout's replica with as many members
+                members = [u for u, n in zip(plan.dst.engine_urls, counts) if n is not None]
+                dst_text = fleet_layout(dst_text, members, sum(n for n in counts if n is not None))
     # vLLM only once the engine answered (importing it prints to stderr)
     from reshard_cli.engines.vllm.trainer import ReshardSource, ReshardTrainerEngine, ReshardTrainerInitInfo
 
-    port = [free_port() if rank == 0 else None]
-    dist.broadcast_object_list(port, 0)
+    shared = [(free_port(), dst_text, down) if rank == 0 else None]
+    dist.broadcast_object_list(shared, 0)
+    port, dst_text, down = shared[0]
+    if down:  # what this refit moves: into the members only
+        src_l, dst_l = layouts(src_text, dst_text)
+        plan = ready_plan(replace(src_l, file=plan.src.file, name=plan.src.name),
+                          replace(dst_l, file=plan.dst.file, name=plan.dst.name), plan.topology, mode=plan.mode,
+                          reshard_match=plan.reshard_match, bucket_bytes=plan.bucket_bytes)
+        url = dst_l.engine_url
     man = plan.src.manifest.tensors
     tensors = {man[t].name: sh.data for t, sh in src_shards.items()}
     info = ReshardTrainerInitInfo(
-        host=opts.refit_host or os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port[0], rank=rank,
-        src=portable_layout(plan.src.file), dst=portable_layout(plan.dst.file), timeout=opts.timeout,
-        bucket_mb=opts.bucket_mb, stage_mb=opts.stage_mb, topology=topology_text(opts.topology),
-        mode=opts.mode)
+        host=opts.refit_host or os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port, rank=rank,
+        src=src_text, dst=dst_text,
+        timeout=opts.timeout, bucket_mb=opts.bucket_mb, stage_mb=opts.stage_mb,
+        topology=topology_text(opts.topology), mode=opts.mode)
     clients = []
-    for u, n in zip(plan.dst.engine_urls, counts):  # rank 0: one client per engine, with its replicas
-        clients.append(http_client(u, opts.timeout))
+    for u, n in zip(plan.dst.engine_urls, [n for n in counts if n is not None]):  # rank 0: one client per
+        clients.append(http_client(u, opts.timeout))  # engine that answered, with its replicas
         clients[-1].replicas = n
     with launcher.collected("starting the engine's refit"):
         engine = ReshardTrainerEngine.trainer_init(info, client=clients or None,
@@ -61,7 +76,7 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
         source.close()
     if rank != 0:
         return None
-    return engine_report(opts, plan, url, reports, world)
+    return engine_report(opts, plan, url, reports, world, down)
 
 
 def topology_text(topology) -> str:
@@ -74,7 +89,8 @@ def topology_text(topology) -> str:
     return bundled.resolve("topology", topology).read_text()
 
 
-def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int) -> RunReport:
+def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int,
+                  down: dict | None = None) -> RunReport:
     """Rank 0's table for a push into a running engine (or a fleet of them), and its JSON twin."""
     timed = reports[1:] if len(reports) > 1 else reports
     seconds = statistics.median(r["seconds"] for r in timed)
@@ -104,6 +120,9 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
              f"({plan.dst.size} workers in {len(replicas)} replica(s), {plan.dst.name})  mode {doc['mode']}  "
              f"iters {opts.iters}{' (median after warm-up)' if opts.iters > 1 else ''}",
              table(["path", "tensors", "bytes", "wire", "forwarded", "time ms", "GB/s", "#wrong"], rows)]
+    if down:
+        doc["down"] = dict(down)
+        lines.append(f"  not refitted, down at the start: {'; '.join(down.values())} (--require-all makes it an error)")
     fp8 = fp8_figures(plan, stats)
     if fp8 is not None:
         doc["fp8"] = {k: fp8[k] for k in ("scheme", "sender_share", "sender_quantized_bytes",

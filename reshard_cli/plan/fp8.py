@@ -26,6 +26,7 @@ from reshard_cli.base.blocks import blocks_of, grid_split, split_whole, whole_bl
 from reshard_cli.base.geometry import Box
 from reshard_cli.errors import ConfigError
 from reshard_cli.layouts.quant import MERGED, Quantization
+from reshard_cli.plan.terms import Route
 
 _INDEX = re.compile(r"\.\d+\.")
 _FLOATS = ("bfloat16", "float16", "float32")
@@ -68,8 +69,6 @@ class Wire:
         """Whether destination box `box` of quantized tensor `t` receives any item unquantized: all of it when
         the tensor is broadcast, else the rims of its intersections with the source boxes (the planner cuts
         forwarded parts on the grid, so they add none)."""
-        from reshard_cli.plan.terms import Route
-
         if plan.routes[t] == Route.BROADCAST:
             return True
         for a, _holders in plan.unique_boxes(self.shapes[t], plan.src.placements[t]):

@@ -30,6 +30,7 @@ from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.layouts.layout import Layout, Mesh, Placement
 from reshard_cli import formats
 from reshard_cli.base import checksums
+from reshard_cli.base.blocks import blocks_of
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.models import Manifest, TensorSpec
 from reshard_cli.plan.groups import Group, layer_groups
@@ -540,8 +541,6 @@ def _storage_of(tensors: Mapping[str, torch.Tensor]) -> tuple:
 def _fp8_shard(rank: int, spec: TensorSpec, box, given, plan, t: int) -> LocalShard:
     """A block-FP8 engine's weight: an `FP8Landing` (its storage, and a buffer for what arrives unquantized,
     allocated here when the landing has none and the plan sends the box such items)."""
-    from reshard_cli.base.blocks import blocks_of
-
     if not isinstance(given, FP8Landing):
         raise ConfigError(f"rank {rank}: {spec.name} is block-FP8 in the destination layout (engine.quantization): "
                           "pass its engine storage as an FP8Landing, as an engine's Stage.open does", key=spec.name)

@@ -2,7 +2,9 @@
 collective comparison of what landed with what was sent (the formula: `base.checksums`)."""
 from __future__ import annotations
 
+from reshard_cli.base.blocks import blocks_of, scale_offset
 from reshard_cli.base.checksums import checksum, combine
+from reshard_cli.base.geometry import Box
 
 
 def source_contributions(plan, rank: int, src_shards: dict) -> dict:
@@ -43,9 +45,6 @@ def _source_checksum(wire, t: int, sh, r, shape: tuple) -> int:
 
 
 def _fp8_checksum(wire, q, scale, part, shape: tuple) -> int:
-    from reshard_cli.base.blocks import blocks_of, scale_offset
-    from reshard_cli.base.geometry import Box
-
     sbox = Box(scale_offset(part.offsets, wire.block), blocks_of(part.sizes, wire.block))
     return combine([checksum(q, part, shape), checksum(scale, sbox, blocks_of(shape, wire.block))])
 

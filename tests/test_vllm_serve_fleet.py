@@ -99,3 +99,41 @@ def test_a_server_down_at_the_start_is_named_and_the_others_are_refitted(fleet):
     p = _run(fleet, "--source", f"safetensors:{fleet['a']}", dst="three.yaml")
     assert p.returncode == 0, p.stdout + p.stderr
     assert _served(fleet) == from_vllm  # both back on A, bit for bit
+
+
+def test_a_fleet_that_gains_and_loses_a_server_keeps_its_steps(fleet, tmp_path):
+    """The trainer engine's membership (tests/elastic_trainer.py, one trainer process): two servers get B; a
+    third server, started on A, is added and catches up to B alone; all three get A in one refit (the group
+    formed again); the third is killed as its next update is called: it is dropped, named with why, and the
+    other two get B among themselves in the same call; then A again. Every member serves, token for token,
+    what vLLM's own loader made of the checkpoint of that step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from reshard_cli.base.ports import free_port
+    from test_vllm_serve import serving
+
+    one, two = fleet["urls"]
+    from_vllm = _served(fleet)  # A, as each server loaded it
+    spec = {"config": str(fleet["a"] / "config.json"), "a": str(fleet["a"]), "b": str(fleet["b"]),
+            "urls": [one, two], "port": free_port(), "master_port": free_port()}
+    with serving(tmp_path, fleet["a"]) as three:
+        spec["join"] = three
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        script = Path(__file__).resolve().parent / "elastic_trainer.py"
+        p = subprocess.run([sys.executable, str(script), str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
+                           capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    doc = json.loads((tmp_path / "out.json").read_text())
+    s1, joined, s2, s3, s4 = doc["steps"]
+    b = s1["served"][one]
+    assert s1["members"] == [one, two] and s1["served"][two] == b != from_vllm[0] and not s1["dropped"]
+    assert joined["served"][three] == b, "the joined server did not catch up to the current weights"
+    assert joined["event"]["event"] == "added" and joined["event"]["resent_bytes"] > 0
+    assert s2["members"] == [one, two, three] and set(map(str, s2["served"].values())) == {str(from_vllm[0])}
+    assert s3["members"] == [one, two] and [d["member"] for d in s3["dropped"]] == [three], s3
+    assert s3["served"] == {one: b, two: b} and s3["weight_version"] == "step-3" and s3["resent_bytes"] > 0
+    assert s4["members"] == [one, two] and s4["served"] == {one: from_vllm[0], two: from_vllm[1]}
+    print("\n" + json.dumps({"steps": [{k: v for k, v in s.items() if k != "served"} for s in doc["steps"]],
+                             "events": doc["events"]}))

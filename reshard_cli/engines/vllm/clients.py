@@ -161,16 +161,17 @@ def check_fleet(urls: tuple, dst, timeout: float = 30.0, *, require_all: bool = 
     return counts, down
 
 
-def fleet_layout(text: str, urls: list, replicas: int) -> str:
-    """A fleet layout's YAML text (`portable_layout`) for its members only: `engine.url` the members' URLs and
-    the `dp` of `mesh` their replica count (the replicas' own parallelism unchanged)."""
+def fleet_layout(text: str, urls: list | None, replicas: int) -> str:
+    """A fleet layout's YAML text (`portable_layout`) for its members only: the `dp` of `mesh` their replica
+    count (added first where the layout has none: one replica), the replicas' own parallelism unchanged, and
+    with `urls` its `engine.url` the members' URLs."""
     doc = yaml.safe_load(text)
     mesh = doc.get("mesh")
-    if not isinstance(mesh, dict) or "dp" not in mesh:
-        raise ConfigError("a fleet that refits without some of its engines needs its replicas as `mesh: {dp: N, ...}`",
-                          key="mesh")
-    mesh["dp"] = replicas
-    doc.setdefault("engine", {})["url"] = list(urls) if len(urls) > 1 else urls[0]
+    if not isinstance(mesh, dict):
+        raise ConfigError("a fleet whose members change needs its replica as `mesh: {dp: N, tp: ...}`", key="mesh")
+    doc["mesh"] = {"dp": replicas, **{k: v for k, v in mesh.items() if k != "dp"}}
+    if urls is not None:
+        doc.setdefault("engine", {})["url"] = list(urls) if len(urls) > 1 else urls[0]
     return yaml.safe_dump(doc, sort_keys=False)
 
 

@@ -56,6 +56,8 @@ class ReshardTrainerInitInfo(_api.TrainerInitInfo):
     topology: str = ""  # ReshardInitInfo.topology: the refit ranks' domains (trainer ranks first)
     mode: str = "auto"  # ReshardInitInfo.mode
     stall: float = 0.0  # ReshardInitInfo.stall
+    on_member_fault: str = "drop"  # a fleet member whose engine fails, dies or stalls during an update: "drop"
+    # it and run the update again among the others (a new group and plan), or "fail" the update
     on_partial: str = "pause"  # an update that failed after committing some groups leaves the engine on a mix
     # of two steps: "pause" pauses its generation (vLLM's pause route) until a complete refit lands; "serve"
     # keeps serving it (its weight version says what it holds)

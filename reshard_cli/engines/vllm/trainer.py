@@ -8,6 +8,7 @@ reshard moves only the intersections (`path: full`: the baseline in `full`).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable, Mapping
 
 import torch
@@ -17,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from reshard_cli import formats
 from reshard_cli.base import checksums
 from reshard_cli.engines.vllm import compat, full
-from reshard_cli.engines.vllm.clients import Call, control
+from reshard_cli.base.ports import free_port
+from reshard_cli.engines.vllm.clients import Call, control, fleet_layout
 from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
                                                 refit_topology, stage_mb)
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
@@ -76,10 +78,23 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             raise ValueError("reshard: pass source= (a ReshardSource or vLLM's ModuleSource)")
         clients = list(client) if isinstance(client, (list, tuple)) else [client]
         self = cls(client=clients[0], source=source, is_sender=init_info.is_sender)
-        self.clients = clients if self.is_sender else []
-        self.info, self._fleet_figures = init_info, None
         if init_info.on_partial not in ("pause", "serve"):
             raise ValueError(f"reshard: on_partial must be 'pause' or 'serve', not {init_info.on_partial!r}")
+        if init_info.on_member_fault not in ("drop", "fail"):
+            raise ValueError(f"reshard: on_member_fault must be 'drop' or 'fail', not {init_info.on_member_fault!r}")
+        self._fleet_text = init_info.dst  # the layout as given: its replica is every member's
+        self.version: str | None = None  # the last update's weight version (what a joining member catches up to)
+        self._last: list = []  # the members before the last change (to name the dropped ones)
+        self._pending: list = []  # membership changes for the next update (rank 0): ("add" | "remove", client)
+        self.events: list = []  # what happened to the membership, in order (the reports carry each update's)
+        self._form(init_info, clients if self.is_sender else [])
+        return self
+
+    def _form(self, init_info, clients: list) -> None:
+        """Join the refit group with these clients' engines (rank 0; the other trainer ranks pass none) as the
+        fleet: the layout's `dp` is theirs (`init_info.dst`)."""
+        self.clients = clients
+        self.info, self._fleet_figures = init_info, None
         trainer_size = dist.get_world_size() if dist.is_initialized() else 1
         src, dst = layouts(init_info.src, init_info.dst, trainer_size)
         trainer_size = src.size if src is not None else trainer_size
@@ -130,7 +145,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                             bucket_mb=init_info.bucket_mb, group=self.group,
                             stage_mb=stage_mb(init_info.stage_mb, dst), who=f"trainer {init_info.rank}")
                       if init_info.path == "reshard" else None)
-        return self
+        self._trainer_size = trainer_size
 
     def fleet_figures(self) -> dict | None:
         """What one refit of the whole fleet moves beside one refit per replica and the full-tensor baseline
@@ -148,8 +163,133 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             raise ValueError("reshard: the source must be a ReshardSource or vLLM's ModuleSource")
         return params
 
+    # ------------------------------------------------------------------------------------------ membership
+
+    def add(self, client) -> None:
+        """A member joins the fleet (rank 0 passes its client; every trainer rank calls it, the others with
+        None): it catches up at once, from the trainer's current weights and the last weight version, in a
+        refit of that member alone (the others keep serving, untouched), and is part of the fleet's refit from
+        the next update on. Collective over the trainer's ranks."""
+        share = _share(self._trainer_size, [free_port(), getattr(client, "replicas", None) or 1]
+                       if self.is_sender else None)
+        port, replicas = share
+        t0 = time.perf_counter()
+        solo = type(self).trainer_init(
+            replace(self.info, port=port, dst=fleet_layout(self._fleet_text, None, replicas)),
+            client=[client] if self.is_sender else [None], source=self.source)
+        try:
+            report = solo.send_weights(self.version)
+        finally:
+            solo.shutdown()
+        if self.is_sender:
+            self._pending.append(("add", client))
+        self.events.append({"event": "added", "member": _name(client), "catch_up_seconds":
+                            round(time.perf_counter() - t0, 3), "resent_bytes": report["wire_bytes"],
+                            "weight_version": self.version})
+
+    def remove(self, client) -> None:
+        """A member leaves the fleet at the next update (rank 0; the engine keeps what it holds)."""
+        if self.is_sender:
+            self._pending.append(("remove", client))
+
     def send_weights(self, weight_version: str | None = None) -> dict:
-        """One refit into the engine; every worker's numbers and this rank's, as a dict. The engine's weight
+        """One refit into every member of the fleet (membership changed since the last one re-forms the refit
+        group and re-plans first). A member whose engine fails, dies or stalls during it is dropped with
+        `on_member_fault: drop` (the default): the update runs again among the others, in a new group with a
+        new plan, and the report names the dropped member and why (`dropped`); `fail` raises as one update."""
+        self._apply_membership()
+        t0 = time.perf_counter()
+        dropped: list = []
+        down = self._start_all()  # rank 0 starts every member's update; one that does not answer is a fault
+        if down:
+            if self.info.on_member_fault != "drop":
+                raise RuntimeError(f"reshard: {'; '.join(down.values())}")
+            dropped = [{"member": m, "why": why, "held_groups": 0} for m, why in down.items()]
+            self._reform([c for c in self.clients if _name(c) not in down] if self.is_sender else [])
+        try:
+            report = self._update(weight_version, started=not down)
+        except UpdateFailed as e:
+            gone = self._faulty(e)
+            if not gone or self.info.on_member_fault != "drop":
+                raise
+            resent0 = time.perf_counter()
+            self._reform([c for i, c in enumerate(self.clients) if i not in gone] if self.is_sender else [],
+                         fresh_port=True)
+            report = self._update(weight_version)
+            dropped += [{"member": m, "why": str(e), "held_groups": len(e.committed)}
+                       for m in (_share(self._trainer_size, [_name(self._last[i]) for i in sorted(gone)]
+                                        if self.is_sender else None))]
+            report["resent_bytes"] = report["wire_bytes"]
+            report["drop_and_resume_seconds"] = round(time.perf_counter() - resent0, 3)
+        report["dropped"] = dropped
+        self.events += [{"event": "dropped", **d} for d in dropped]
+        report["members"] = _share(self._trainer_size, [_name(c) for c in self.clients] if self.is_sender else None)
+        report["seconds_with_membership"] = round(time.perf_counter() - t0, 3)
+        self.version = report["weight_version"]
+        return report
+
+    def _start_all(self) -> dict:
+        """vLLM's start_weight_update on every member (rank 0), shared with every trainer rank: {member: why}
+        of those that did not answer."""
+        down = {}
+        if self.is_sender:
+            for client in self.clients:
+                try:
+                    self._start_update(client)
+                except Exception as e:  # noqa: BLE001 - an HTTP error, a refused connection, a dead LLM
+                    down[_name(client)] = f"{_name(client)} did not start the update ({type(e).__name__}: {e})"
+        return _share(self._trainer_size, down if self.is_sender else None)
+
+    def _apply_membership(self) -> None:
+        """The changes `add` and `remove` asked for: the group formed again for the members (collective)."""
+        pending = _share(self._trainer_size, [(k, i) for k, i in ((k, id(c)) for k, c in self._pending)]
+                         if self.is_sender else None)
+        if not pending:
+            return
+        members = list(self.clients)
+        for kind, client in self._pending:
+            if kind == "add" and all(c is not client for c in members):
+                members.append(client)
+            elif kind == "remove":
+                members = [c for c in members if c is not client]
+        self._pending = []
+        self._reform(members)
+
+    def _reform(self, members: list, *, fresh_port: bool = False) -> None:
+        """Leave the refit group and form it again with `members` (rank 0's clients; [] elsewhere), the layout's
+        replica times theirs, on the same host and port (`fresh_port`: another one, after a broken group,
+        whose store may still hold its port while a dead peer's connections time out)."""
+        counts, port = _share(self._trainer_size, ([getattr(c, "replicas", None) or 1 for c in members],
+                                                   free_port() if fresh_port else self.info.port)
+                              if self.is_sender else None)
+        if not counts:
+            raise RuntimeError("reshard: no member of the fleet is left")
+        self._last = list(self.clients)
+        self.shutdown()
+        self._form(replace(self.info, port=port, dst=fleet_layout(self._fleet_text, None, sum(counts))), members)
+
+    def _faulty(self, failure: "UpdateFailed") -> set:
+        """The members (indexes into `clients`) a failed update's line names: the engines whose workers' refit
+        ranks failed, died or stalled. Empty when it names a trainer rank or nothing (the update failed as a
+        whole)."""
+        ranks = set(failure.ranks or ())
+        if not ranks or any(r < self._trainer_size for r in ranks):
+            return set()
+        per = fleet_of(self.dst).per_replica
+        counts = _share(self._trainer_size, [getattr(c, "replicas", None) or 1 for c in self.clients]
+                        if self.is_sender else None)
+        self._last = list(self.clients)
+        out, first = set(), 0
+        for i, n in enumerate(counts):
+            lo, hi = self._trainer_size + first * per, self._trainer_size + (first + n) * per
+            if any(lo <= r < hi for r in ranks):
+                out.add(i)
+            first += n
+        return out
+
+    def _update(self, weight_version: str | None = None, *, started: bool = False) -> dict:
+        """One refit into the engine; every worker's numbers and this rank's, as a dict (`started`: vLLM's
+        start_weight_update already called on every client). The engine's weight
         version becomes `weight_version` when every group was committed; unchanged when none was; a partial
         marker (`<version>+partial-<k>of<n>`) when a failure left the first k of n groups new. A failure raises
         one line on every trainer rank, after the engine has been told to finish the update."""
@@ -158,7 +298,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         tensors = self._tensors()
         calls = []
         if self.is_sender:
-            for client in self.clients:
+            for client in self.clients if not started else ():
                 self._start_update(client)
             calls = [Call(c.update_weights, {"verify": self.info.verify}) for c in self.clients]
         t0 = time.perf_counter()
@@ -332,6 +472,20 @@ def _own_error(src, tensors: Mapping[str, torch.Tensor], rank: int) -> str | Non
     held = {src.manifest.tensors[t].name for t, box in src.held(rank) if box.numel}
     missing = sorted(held - set(named))
     return f"the trainer does not hold {missing[0]!r}" if missing else None
+
+
+def _share(trainer_size: int, value):
+    """`value` from trainer rank 0 on every trainer rank (the trainer's own process group; alone, as is)."""
+    if trainer_size <= 1 or not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def _name(client) -> str:
+    """A member as the reports name it: its server's URL, else its client."""
+    return str(getattr(client, "base_url", None) or getattr(client, "name", None) or client)
 
 
 _PAUSED: set = set()  # the engines reshard paused after a partial update, until a complete one (across

@@ -3,12 +3,11 @@ the fleet changes: run by tests/test_vllm_serve_fleet.py as `python elastic_trai
 
 SPEC: {"config": path of the model's config.json, "a": and "b": checkpoint dirs, "urls": the first members,
 "join": a server's URL added after the first update, "port": the refit group's port}. Steps:
-  1. push B into the first members;
-  2. add the joining server: it catches up to B alone;
-  3. push A into all three (the group formed again with the new member);
-  4. push B while the joined server's processes are killed as its update is called: it is dropped, the
-     others get B among themselves in a new group;
-  5. push A into the survivors.
+  push B into the first members; add the joining server (it catches up to B alone); push A into all three
+  (the group formed again); push B while the joined server's processes are stopped (SIGSTOP) as its update
+  is called: it is dropped after the stall limit and the others get B among themselves in a new group;
+  continue it and add it again (it catches up to B); push A into all three; push B while it is killed as
+  its update is called (dropped again); push A into the survivors.
 OUT: each step's members, dropped ones (with why), what each member serves (greedy token ids), and the
 engine's membership events (catch-up seconds, bytes re-sent)."""
 import json
@@ -41,17 +40,20 @@ def weights(path: str) -> dict:
     return out
 
 
-def kill_server(url: str) -> None:
-    """SIGKILL the server listening at `url` and every process it started (its engine core, its workers)."""
+def signal_server(url: str, sig) -> list:
+    """Send `sig` to the server listening at `url` and every process it started (its engine core, its
+    workers); the processes signalled."""
     port = int(url.rsplit(":", 1)[1])
     pid = next(c.pid for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port
                and c.status == psutil.CONN_LISTEN)
     proc = psutil.Process(pid)
-    for p in [*proc.children(recursive=True), proc]:
+    procs = [*proc.children(recursive=True), proc]
+    for p in procs:
         try:
-            p.send_signal(signal.SIGKILL)
+            p.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
+    return procs
 
 
 def main() -> None:
@@ -67,7 +69,7 @@ def main() -> None:
     dst = (f"model: {config}\nformat: vllm\nmesh: {{dp: {len(first)}, tp: 1}}\n")
     ckpt = {"a": weights(spec["a"]), "b": weights(spec["b"])}
     current = dict(ckpt["a"])
-    info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=spec["port"], src=src, dst=dst, rank=0, timeout=60,
+    info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=spec["port"], src=src, dst=dst, rank=0, timeout=20,
                                      stall=5)
     clients = [http_client(u, 60) for u in first]
     engine = vb.ReshardTrainerEngine.trainer_init(info, client=clients, source=vb.ReshardSource(lambda: current))
@@ -85,19 +87,35 @@ def main() -> None:
                       "served": {u: complete(u, model) for u in members}})
 
     push("b", "step-1")
-    joining = http_client(spec["join"], 60)
-    engine.add(joining)
-    steps.append({"added": spec["join"], "served": {spec["join"]: complete(spec["join"], model)},
-                  "event": engine.events[-1]})
-    push("a", "step-2")
-    update = joining.update_weights
+    join = spec["join"]
 
-    def dies(arg):  # the joined server dies as its update is called: the others are already in the refit
-        kill_server(spec["join"])
+    def add(note: str) -> None:
+        client = http_client(join, 60)
+        engine.add(client)
+        steps.append({"added": join, "note": note, "served": {join: complete(join, model)},
+                      "event": engine.events[-1]})
+        return client
+
+    joining = add("a new server")
+    push("a", "step-2")
+    stopped = []
+
+    def stalls(arg, update=joining.update_weights):  # stopped as its update is called: it never answers
+        stopped.extend(signal_server(join, signal.SIGSTOP))
+        return update(arg)
+    joining.update_weights = stalls
+    push("b", "step-3")
+    for p in stopped:
+        p.send_signal(signal.SIGCONT)
+    joining = add("the stalled server, continued")
+    push("a", "step-4")
+
+    def dies(arg, update=joining.update_weights):  # dies as its update is called: the others are in the refit
+        signal_server(join, signal.SIGKILL)
         return update(arg)
     joining.update_weights = dies
-    push("b", "step-3")
-    push("a", "step-4")
+    push("b", "step-5")
+    push("a", "step-6")
     engine.shutdown()
     json.dump({"steps": steps, "events": engine.events}, open(sys.argv[2], "w"), indent=1)
 

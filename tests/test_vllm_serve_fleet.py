@@ -104,9 +104,11 @@ def test_a_server_down_at_the_start_is_named_and_the_others_are_refitted(fleet):
 def test_a_fleet_that_gains_and_loses_a_server_keeps_its_steps(fleet, tmp_path):
     """The trainer engine's membership (tests/elastic_trainer.py, one trainer process): two servers get B; a
     third server, started on A, is added and catches up to B alone; all three get A in one refit (the group
-    formed again); the third is killed as its next update is called: it is dropped, named with why, and the
-    other two get B among themselves in the same call; then A again. Every member serves, token for token,
-    what vLLM's own loader made of the checkpoint of that step."""
+    formed again); the third is stopped (SIGSTOP) as its next update is called: it is dropped after the stall
+    limit, named with why, and the other two get B among themselves in the same call; continued and added
+    again it catches up to B; all three get A; it is killed as its update is called: dropped, the other two
+    get B; then A. Every member serves, token for token, what vLLM's own loader made of that step's
+    checkpoint."""
     import subprocess
     import sys
     from pathlib import Path
@@ -126,14 +128,17 @@ def test_a_fleet_that_gains_and_loses_a_server_keeps_its_steps(fleet, tmp_path):
                            capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     doc = json.loads((tmp_path / "out.json").read_text())
-    s1, joined, s2, s3, s4 = doc["steps"]
-    b = s1["served"][one]
-    assert s1["members"] == [one, two] and s1["served"][two] == b != from_vllm[0] and not s1["dropped"]
-    assert joined["served"][three] == b, "the joined server did not catch up to the current weights"
-    assert joined["event"]["event"] == "added" and joined["event"]["resent_bytes"] > 0
-    assert s2["members"] == [one, two, three] and set(map(str, s2["served"].values())) == {str(from_vllm[0])}
-    assert s3["members"] == [one, two] and [d["member"] for d in s3["dropped"]] == [three], s3
-    assert s3["served"] == {one: b, two: b} and s3["weight_version"] == "step-3" and s3["resent_bytes"] > 0
-    assert s4["members"] == [one, two] and s4["served"] == {one: from_vllm[0], two: from_vllm[1]}
+    s1, joined, s2, stalled, rejoined, s4, killed, s6 = doc["steps"]
+    a, b = from_vllm[0], s1["served"][one]
+    assert s1["members"] == [one, two] and s1["served"][two] == b != a and not s1["dropped"]
+    for j in (joined, rejoined):  # a joined member serves the current weights after its catch-up
+        assert j["served"][three] == b and j["event"]["event"] == "added" and j["event"]["resent_bytes"] > 0, j
+    for s in (s2, s4):
+        assert s["members"] == [one, two, three] and s["served"] == {one: a, two: a, three: a} and not s["dropped"]
+    for s, how in ((stalled, "stopped answering"), (killed, "stopped answering")):
+        assert s["members"] == [one, two] and [d["member"] for d in s["dropped"]] == [three], s
+        assert how in s["dropped"][0]["why"] and s["served"] == {one: b, two: b} and s["resent_bytes"] > 0, s
+    assert stalled["weight_version"] == "step-3" and killed["weight_version"] == "step-5"
+    assert s6["members"] == [one, two] and s6["served"] == {one: a, two: from_vllm[1]}
     print("\n" + json.dumps({"steps": [{k: v for k, v in s.items() if k != "served"} for s in doc["steps"]],
                              "events": doc["events"]}))

@@ -95,6 +95,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         fleet: the layout's `dp` is theirs (`init_info.dst`)."""
         self.clients = clients
         self.info, self._fleet_figures = init_info, None
+        self._silent: set = set()  # engines the last failure named dead or stalled: not called again
         trainer_size = dist.get_world_size() if dist.is_initialized() else 1
         src, dst = layouts(init_info.src, init_info.dst, trainer_size)
         trainer_size = src.size if src is not None else trainer_size
@@ -228,6 +229,11 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         self.version = report["weight_version"]
         return report
 
+    def _answering(self) -> list:
+        """The clients to call: all but those the last update's failure named dead or stalled."""
+        silent = getattr(self, "_silent", set())
+        return [c for c in getattr(self, "clients", []) if _engine_key(c) not in silent]
+
     def _start_all(self) -> dict:
         """vLLM's start_weight_update on every member (rank 0), shared with every trainer rank: {member: why}
         of those that did not answer."""
@@ -269,18 +275,21 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         self._form(replace(self.info, port=port, dst=fleet_layout(self._fleet_text, None, sum(counts))), members)
 
     def _faulty(self, failure: "UpdateFailed") -> set:
-        """The members (indexes into `clients`) a failed update's line names: the engines whose workers' refit
-        ranks failed, died or stalled. Empty when it names a trainer rank or nothing (the update failed as a
-        whole)."""
-        ranks = set(failure.ranks or ())
+        """The members (indexes into `clients`) a failed update's line names, the same on every trainer rank:
+        the engines whose workers' refit ranks failed, died or stalled. Empty when it names a trainer rank or
+        nothing (the update failed as a whole)."""
+        self._last = list(self.clients)
+        return _share(self._trainer_size, self._members_of(failure.ranks) if self.is_sender else None)
+
+    def _members_of(self, ranks) -> set:
+        """Rank 0: the members whose workers are among these refit ranks (none if a trainer rank is)."""
+        ranks = set(ranks or ())
         if not ranks or any(r < self._trainer_size for r in ranks):
             return set()
         per = fleet_of(self.dst).per_replica
-        counts = _share(self._trainer_size, [getattr(c, "replicas", None) or 1 for c in self.clients]
-                        if self.is_sender else None)
-        self._last = list(self.clients)
         out, first = set(), 0
-        for i, n in enumerate(counts):
+        for i, c in enumerate(self.clients):
+            n = getattr(c, "replicas", None) or 1
             lo, hi = self._trainer_size + first * per, self._trainer_size + (first + n) * per
             if any(lo <= r < hi for r in ranks):
                 out.add(i)
@@ -320,9 +329,13 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                     failure = RefitFailed(f"{e} (after the update)", done, self.refit.groups if self.refit else [],
                                           broken=True, ranks=e.ranks)
         finally:
-            for call in calls:
+            # members the failure names as dead or stalled are not waited for (a stopped server answers no call)
+            self._silent = ({_engine_key(self.clients[i]) for i in self._members_of(failure.ranks)}
+                            if failure is not None and failure.broken and self.is_sender
+                            and self.info.on_member_fault == "drop" else set())
+            for call, client in zip(calls, self.clients):
                 try:
-                    call.join(timeout=self.info.timeout)
+                    call.join(timeout=0.5 if _engine_key(client) in self._silent else self.info.timeout)
                 except RuntimeError:
                     pass  # the workers' own error, gathered above, says more (or the engine never answered)
         seconds = time.perf_counter() - t0
@@ -341,7 +354,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         paused = False
         if self.is_sender:
             changed = failure is None or failure.partial
-            for client in self.clients:
+            for client in self._answering():
                 self._finish_update(client, version, failure is None and failed is None, changed=changed)
             paused = self._pause_or_resume(partial=failure is not None and failure.partial and not landed,
                                            complete=failure is None and failed is None)
@@ -363,7 +376,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         engine paused (a failure that committed nothing leaves them as they were: still a mix). Whether the
         engines are paused now."""
         if partial and self.info.on_partial == "pause":
-            for client in self.clients:
+            for client in self._answering():
                 if _engine_key(client) not in _PAUSED and _quietly(control, client, "pause", "mode=keep"):
                     _PAUSED.add(_engine_key(client))
         elif complete:
@@ -413,7 +426,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         may then run again in this process, on the same host and port."""
         if getattr(self, "group", None) is not None:
             self.group.close()
-            for client in getattr(self, "clients", []):
+            for client in self._answering():
                 _quietly(control, client, "shutdown_weight_transfer_engine")
         self.refit = self.group = None
 

@@ -145,6 +145,7 @@ TIER_TESTS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "test_api": [(r"test_yaml_layouts_plain_tensors|test_live_refit_example|test_refit_over_its_own_group",
                   _PROCS)],
     "test_auto": [(r"test_auto_refit_is_exact", _PROCS)],
+    "test_fp8_wire": [(r"test_(sender_quantized|staged_refit)", _VLLM)],  # gloo processes, vLLM's quantizer
     "test_bench": [(r"test_bench_demo_pair_end_to_end", _PROCS)],
     # the generator's blocks for every dtype: bf16, fp32, fp16 and fp8 stay in the quick tier
     "test_check": [(r"test_fast_synthetic_values_are_the_generator_s\[torch\.(float64|int8|int32|int64|uint8|bool)\]",

@@ -194,6 +194,20 @@ class GroupComm(_Comm):
         if broken:  # the error's frames refer back to the group (a cycle): collected now, so its sockets and
             gc.collect()  # rank 0's store close here, not at some later collection
 
+    def share(self, obj, root: int = 0):
+        """`obj` from refit rank `root` on every rank that calls this (not a collective of the whole group: only
+        the ranks that need it call, in the same order), through the group's store. The root only writes; a
+        reader's wait is guarded, so a root that died or stalled is named, not waited for."""
+        if self._store is None:
+            raise ConfigError("this refit group has no store to share through (make it with refit_group)",
+                              key="group")
+        self._shared = getattr(self, "_shared", 0) + 1
+        key = f"reshard-share/{self._shared}"
+        if self._rank == root:
+            self._store.set(key, pickle.dumps(obj))
+            return obj
+        return pickle.loads(self._aside(self._store.get, key))  # noqa: S301 - this job's own processes
+
     def new_group(self, ranks: list[int]) -> "SubGroup | None":
         """A sub-group of `ranks` (refit ranks). Collective in the torch.distributed sense: every rank calls it
         with the same ranks in the same order (only members connect); the same ranks again give the same group.

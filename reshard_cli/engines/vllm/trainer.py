@@ -171,7 +171,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         None): it catches up at once, from the trainer's current weights and the last weight version, in a
         refit of that member alone (the others keep serving, untouched), and is part of the fleet's refit from
         the next update on. Collective over the trainer's ranks."""
-        share = _share(self._trainer_size, [free_port(), getattr(client, "replicas", None) or 1]
+        share = self._share([free_port(), getattr(client, "replicas", None) or 1]
                        if self.is_sender else None)
         port, replicas = share
         t0 = time.perf_counter()
@@ -203,7 +203,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         dropped: list = []
         down = self._start_all()  # rank 0 starts every member's update; one that does not answer is a fault
         if down:
-            if self.info.on_member_fault != "drop":
+            if self.info.on_member_fault != "drop" or len(down) == len(self._share(
+                    [_name(c) for c in self.clients] if self.is_sender else None)):
                 raise RuntimeError(f"reshard: {'; '.join(down.values())}")
             dropped = [{"member": m, "why": why, "held_groups": 0} for m, why in down.items()]
             self._reform([c for c in self.clients if _name(c) not in down] if self.is_sender else [])
@@ -212,22 +213,34 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         except UpdateFailed as e:
             gone = self._faulty(e)
             if not gone or self.info.on_member_fault != "drop":
-                raise
+                raise  # not a member's fault, or no member would be left: the update failed
             resent0 = time.perf_counter()
             self._reform([c for i, c in enumerate(self.clients) if i not in gone] if self.is_sender else [],
                          fresh_port=True)
             report = self._update(weight_version)
             dropped += [{"member": m, "why": str(e), "held_groups": len(e.committed)}
-                       for m in (_share(self._trainer_size, [_name(self._last[i]) for i in sorted(gone)]
+                       for m in (self._share([_name(self._last[i]) for i in sorted(gone)]
                                         if self.is_sender else None))]
             report["resent_bytes"] = report["wire_bytes"]
             report["drop_and_resume_seconds"] = round(time.perf_counter() - resent0, 3)
         report["dropped"] = dropped
         self.events += [{"event": "dropped", **d} for d in dropped]
-        report["members"] = _share(self._trainer_size, [_name(c) for c in self.clients] if self.is_sender else None)
+        report["members"] = self._share([_name(c) for c in self.clients] if self.is_sender else None)
         report["seconds_with_membership"] = round(time.perf_counter() - t0, 3)
         self.version = report["weight_version"]
         return report
+
+    def _share(self, value):
+        """`value` from trainer rank 0 on every trainer rank: through the refit group's store while the group is
+        up (a trainer rank that died or stalled is named by its watchdog, not waited for), else over the
+        trainer's own process group (after a failure that named engines, not trainer ranks)."""
+        if self._trainer_size <= 1:
+            return value
+        if getattr(self, "group", None) is not None:
+            return self.group.share(value, 0)
+        box = [value]
+        dist.broadcast_object_list(box, 0)
+        return box[0]
 
     def _answering(self) -> list:
         """The clients to call: all but those the last update's failure named dead or stalled."""
@@ -244,11 +257,11 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                     self._start_update(client)
                 except Exception as e:  # noqa: BLE001 - an HTTP error, a refused connection, a dead LLM
                     down[_name(client)] = f"{_name(client)} did not start the update ({type(e).__name__}: {e})"
-        return _share(self._trainer_size, down if self.is_sender else None)
+        return self._share(down if self.is_sender else None)
 
     def _apply_membership(self) -> None:
         """The changes `add` and `remove` asked for: the group formed again for the members (collective)."""
-        pending = _share(self._trainer_size, [(k, i) for k, i in ((k, id(c)) for k, c in self._pending)]
+        pending = self._share([(k, i) for k, i in ((k, id(c)) for k, c in self._pending)]
                          if self.is_sender else None)
         if not pending:
             return
@@ -265,7 +278,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         """Leave the refit group and form it again with `members` (rank 0's clients; [] elsewhere), the layout's
         replica times theirs, on the same host and port (`fresh_port`: another one, after a broken group,
         whose store may still hold its port while a dead peer's connections time out)."""
-        counts, port = _share(self._trainer_size, ([getattr(c, "replicas", None) or 1 for c in members],
+        counts, port = self._share(([getattr(c, "replicas", None) or 1 for c in members],
                                                    free_port() if fresh_port else self.info.port)
                               if self.is_sender else None)
         if not counts:
@@ -276,10 +289,15 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
 
     def _faulty(self, failure: "UpdateFailed") -> set:
         """The members (indexes into `clients`) a failed update's line names, the same on every trainer rank:
-        the engines whose workers' refit ranks failed, died or stalled. Empty when it names a trainer rank or
-        nothing (the update failed as a whole)."""
+        the engines whose workers' refit ranks failed, died or stalled. Empty when it names a trainer rank,
+        nothing, or every member (the update failed as a whole)."""
         self._last = list(self.clients)
-        return _share(self._trainer_size, self._members_of(failure.ranks) if self.is_sender else None)
+        if not failure.ranks or any(r < self._trainer_size for r in failure.ranks):
+            return set()  # a trainer rank's fault (or none named): not a member's; no trainer rank waits on it
+        gone = self._members_of(failure.ranks) if self.is_sender else None
+        if gone is not None and len(gone) == len(self.clients):
+            gone = set()  # no member would be left: the update failed as a whole
+        return self._share(gone)
 
     def _members_of(self, ranks) -> set:
         """Rank 0: the members whose workers are among these refit ranks (none if a trainer rank is)."""
@@ -485,15 +503,6 @@ def _own_error(src, tensors: Mapping[str, torch.Tensor], rank: int) -> str | Non
     held = {src.manifest.tensors[t].name for t, box in src.held(rank) if box.numel}
     missing = sorted(held - set(named))
     return f"the trainer does not hold {missing[0]!r}" if missing else None
-
-
-def _share(trainer_size: int, value):
-    """`value` from trainer rank 0 on every trainer rank (the trainer's own process group; alone, as is)."""
-    if trainer_size <= 1 or not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, 0)
-    return box[0]
 
 
 def _name(client) -> str:

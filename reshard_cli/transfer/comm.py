@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import threading
 import time
 from functools import partial
 from datetime import timedelta
@@ -55,11 +56,14 @@ class _Comm:
 
     def wait(self, work) -> None:
         """The end of a message or collective. On CUDA (NCCL) a wait only orders the current stream after it;
-        the host blocks in `synchronize`, where the watchdog polls."""
+        the host blocks in `synchronize`, where the watchdog polls. On CPU (gloo) it blocks on the helper
+        thread while this one polls: gloo's wait on a stopped peer (SIGSTOP: its connection stays open) ends
+        only at the group's timeout, and shutting the group down does not end it, so the caller leaves it
+        there (a daemon, ended by that timeout) and raises the watchdog's line at the stall limit."""
         if self.device.type == "cuda":
             work.wait()
         else:
-            self.run(work.wait)
+            self._aside(work.wait)
 
     def synchronize(self, device=None, *, what: str = "the transfer") -> None:
         """Block the host until the work queued on `device`'s current stream is done (CUDA; nothing on CPU):
@@ -187,12 +191,14 @@ class GroupComm(_Comm):
         broken = self.guard is not None and self.guard.broken is not None
         if self.guard is not None:
             self.guard.close()
-        for pg in [self.pg, *(s.pg for s in self._subgroups.values() if s is not None)]:
-            if pg is not None:
-                _end(pg)
+        pgs = [pg for pg in [self.pg, *(s.pg for s in self._subgroups.values() if s is not None)] if pg is not None]
+        for pg in pgs:
+            _end(pg)
+        pg = None  # noqa: F841 - the loop's last reference
         self.pg, self._store, self._subgroups, self.guard = None, None, {}, None
         if broken:  # the error's frames refer back to the group (a cycle): collected now, so its sockets and
             gc.collect()  # rank 0's store close here, not at some later collection
+            _release_aside(pgs)  # the last references, dropped on a thread of their own
 
     def share(self, obj, root: int = 0):
         """`obj` from refit rank `root` on every rank that calls this (not a collective of the whole group: only
@@ -352,6 +358,25 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     return comm
 
 
+_RELEASING: set = set()  # threads dropping a broken group's process groups (`_release_aside`)
+
+
+def _release_aside(pgs: list) -> None:
+    """Drop the last references to a broken group's process groups on a daemon thread: destroying a gloo group
+    whose collective is still blocked on a stopped peer (SIGSTOP: its connections stay open) waits for that
+    collective's timeout, and the caller must not (the fleet's survivors resume in a new group meanwhile).
+    Rank 0's store, which the group holds, is freed when the thread ends; a new group on its port waits for it
+    (`_connect`). A process that exits meanwhile leaves the thread, and the group, as they are."""
+    def release(held: list) -> None:
+        held.clear()  # the destructors run here
+        _RELEASING.discard(threading.current_thread())
+
+    thread = threading.Thread(target=release, args=(list(pgs),), daemon=True, name="reshard-release")
+    pgs.clear()
+    _RELEASING.add(thread)
+    thread.start()
+
+
 def _connect(host: str, port: int, rank: int, size: int, timeout: float):
     """The group's store: rank 0 serves it, the others connect. A store that still answers for a group that is
     over (closed or given up; its host has not stopped it yet) is left, and the connection tried again, until
@@ -368,6 +393,12 @@ def _connect(host: str, port: int, rank: int, size: int, timeout: float):
                 collected = True  # kept alive only by a reference cycle (an exception's frames): collect it
                 gc.collect()
                 continue
+            if rank == 0 and _RELEASING and "EADDRINUSE" in str(e):  # or a broken one still being released
+                for thread in list(_RELEASING):
+                    thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+                gc.collect()  # what the blocked collective's end left in cycles (its error's frames)
+                if time.monotonic() < deadline:
+                    continue
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             where = "could not listen on" if rank == 0 else "could not reach rank 0's store at"
             raise RuntimeFailure(f"refit group: rank {rank} {where} {host}:{port} within {timeout:.0f} s "

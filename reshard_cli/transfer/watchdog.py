@@ -200,8 +200,8 @@ class Guard:
     many messages), while a monitor thread checks the watchdog every POLL seconds for as long as a call has
     been blocked; on a fault it gives the group up, which ends its process groups (`abortables`: NCCL's
     abort, gloo's shutdown) and so the blocked call, which then raises the fault's line. `run_aside(fn)`: a
-    call that ending the process groups cannot end (a rendezvous waiting on the store) runs on a helper
-    thread while the caller polls the watchdog itself."""
+    call that ending the process groups cannot end (a rendezvous waiting on the store, a gloo wait on a
+    stopped peer) runs on a helper thread while the caller polls the watchdog itself."""
 
     def __init__(self, watchdog: Watchdog, device=None):
         self.watchdog = watchdog

@@ -19,8 +19,8 @@ from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.formats import load_pair
 from reshard_cli.hw import nvml
 from reshard_cli.plan.cost import plan_prediction, with_auto_routes
-from reshard_cli.plan.groups import staging
-from reshard_cli.plan.fleet import fleet_figures, fleet_of
+from reshard_cli.plan.groups import stage_groups, staging
+from reshard_cli.plan.fleet import fleet_figures, fleet_of, loss_figures
 from reshard_cli.plan.fp8 import fp8_figures
 from reshard_cli.plan.planner import Plan, no_gc
 from reshard_cli.report import plan_text, write_pieces
@@ -63,16 +63,25 @@ def plan(
     pieces_out: Optional[Path] = typer.Option(None, "--pieces", help="Stream every piece and broadcast to this file "
                                               "as JSON Lines (.gz: compressed)."),
     rank: Optional[int] = typer.Option(None, "--rank", help="Show only what this global rank sends and receives."),
+    replicas: Optional[int] = typer.Option(None, "--replicas", help="Refit N replicas of the dst layout's replica "
+                                           "(its mesh without dp; the dp of its mesh set to N), and print what "
+                                           "losing one of them mid-refit costs (N >= 2)."),
     scale: int = ScaleOpt,
 ):
     """Show what a refit between two layouts moves, and what it costs, before any GPU is touched."""
     with no_gc():  # millions of small acyclic objects: the collector's full passes would only cost time
-        _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, scale)
+        _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, scale, replicas)
 
 
-def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, scale) -> None:
+def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, scale, replicas=None) -> None:
     t0 = time.perf_counter()
+    if replicas is not None and replicas < 1:
+        raise ConfigError(f"a fleet has at least one replica, not {replicas}", key="--replicas")
     p = Plan.build(src, dst, topology=topology, mode=mode, reshard_match=reshard_match, scale=scale)
+    given = p.dst
+    if replicas is not None:  # the dst layout's replica, `replicas` times
+        p = Plan(p.src, _replicated(p.src, given, replicas, scale), p.topology, mode=p.mode,
+                 reshard_match=p.reshard_match, bucket_bytes=p.bucket_bytes)
     t_layout = time.perf_counter() - t0
     if rank is not None:
         if rank not in p.src.ranks and rank not in p.dst.ranks:
@@ -114,6 +123,9 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
     fleet = fleet_of(p.dst)
     if fleet.replicas > 1:  # one refit of every replica, beside one refit per replica
         stats["fleet"] = fleet_figures(p, fleet, stats)
+        if replicas is not None:  # and what losing one of them mid-refit costs: the survivors' plan, by group
+            survivors = _replicated(p.src, given, fleet.replicas - 1, scale)
+            stats["fleet"]["loss"] = loss_figures(p, survivors, stage_groups(p.dst), stage_groups(survivors))
     fp8 = fp8_figures(p, stats)
     if fp8 is not None:  # an FP8 engine: where its blocks are quantized, the wire beside a BF16 refit's
         stats["fp8"] = fp8
@@ -129,6 +141,20 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
     if pieces_out:
         n = write_pieces(pieces_out, p, p.pieces(), p.bcasts())
         typer.echo(f"  wrote {pieces_out} ({n} lines)")
+
+
+def _replicated(src, dst, replicas: int, scale: int):
+    """`dst`'s replica `replicas` times, its ranks after `src`'s (`formats.with_replicas`); a layout whose replica
+    cannot be told is an error naming --replicas."""
+    try:
+        out = formats.with_replicas(dst, replicas, after=src, scale=scale)
+    except ConfigError as e:
+        raise ConfigError(f"cannot make {replicas} replica(s) of {dst.name}: {e}", key="--replicas") from None
+    got = fleet_of(out)
+    if got.replicas != replicas:  # the replicas `reshard plan` reports must be the ones asked for
+        raise ConfigError(f"{dst.name} as {replicas} replica(s) reads as {got.replicas} replica(s) of "
+                          f"{got.per_replica} ranks", key="--replicas")
+    return out
 
 
 def _piece_json(p, pc) -> dict:

@@ -104,7 +104,25 @@ def _fleet_lines(f: dict | None) -> list[str]:
     return [f"  fleet         {f['replicas']} replicas x {f['workers_per_replica']} ranks: one refit of all sends "
             f"{fmt_bytes(f['wire_bytes'])} on the wire; one refit per replica {fmt_bytes(f['separate_refits_wire_bytes'])}"
             f" ({_ratio(f['separate_refits_wire_bytes'], f['wire_bytes'])}), gather->broadcast "
-            f"{fmt_bytes(f['broadcast_wire_bytes'])}"]
+            f"{fmt_bytes(f['broadcast_wire_bytes'])}", *_loss_lines(f.get("loss"))]
+
+
+def _loss_lines(loss: dict | None) -> list[str]:
+    """`reshard plan --replicas N` (`plan.fleet.loss_figures`): what the survivors are sent when one replica is
+    lost mid-refit, in the first staging group and in the last."""
+    if not loss:
+        return []
+    n, g = loss["replicas_after"], loss["groups"]
+    if g <= 1:
+        when = f"re-sends {fmt_bytes(loss['resent_bytes_first_group'])} to the {n} survivors (one staging group: " \
+               f"the whole refit again)"
+    else:
+        when = f"re-sends {fmt_bytes(loss['resent_bytes_first_group'])} to the {n} survivors (lost in group 1 of " \
+               f"{g}) .. {fmt_bytes(loss['resent_bytes_last_group'])} (lost in the last), mean " \
+               f"{fmt_bytes(loss['resent_bytes_mean'])}; resumed at the failed group's first layer" + \
+               (f" in the survivors' own {loss['survivor_groups']} groups" if loss["survivor_groups"] != g else "") + \
+               "; committed layers are not sent again"
+    return [f"  losing one    replica mid-refit: the trainer {when}"]
 
 
 def _ratio(a: float, b: float) -> str:

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from conftest import ROOT, call_main
+from reshard_cli.base.text import fmt_bytes
 
 TRAIN = "layouts/demo/train.yaml"
 INFER = "layouts/demo/infer.yaml"
 DGX = "layouts/topologies/dgx-h100.yaml"
+QWEN_SRC, QWEN_DST = "qwen3-30b-a3b/megatron-tp2-ep4-pp2", "qwen3-30b-a3b/vllm-tp4-dp4"
 CONTRACT = ("params", "tensors", "bytes", "paths", "wire_bytes", "min_wire_bytes", "broadcast_wire_bytes",
             "indomain_bytes", "max_rank_send_bytes", "max_rank_recv_bytes", "plan_seconds", "pieces")
 
@@ -40,6 +42,11 @@ def files(tmp_path_factory):
     (d / "train-typo.yaml").write_text(text.replace("\nplacements:\n", "\nplacments:\n"))
     (d / "infer-bad.yaml").write_text((ROOT / INFER).read_text().replace("mesh: {tp: 2}", "mesh: {tp: 3}"))
     (d / "topo.yaml").write_text("ranks_per_domain: 8\nlinks: {network_gbps: fast}\n")
+    # the demo's inference replica twice, written by hand; and a layout whose replica cannot be told
+    (d / "infer-dp2.yaml").write_text((ROOT / INFER).read_text().replace("ranks: 2-3\n", "")
+                                      .replace("mesh: {tp: 2}", "mesh: {dp: 2, tp: 2}"))
+    (d / "infer-late-dp.yaml").write_text((ROOT / INFER).read_text().replace("ranks: 2-3\n", "")
+                                          .replace("mesh: {tp: 2}", "mesh: {tp: 2, dp: 2}"))
     return d
 
 
@@ -57,6 +64,9 @@ def runs(files):
         "typo_debug": ("--debug", "plan", "--src", d / "train-typo.yaml", "--dst", INFER),
         "missing_src": ("plan", "--src", d / "nope.yaml", "--dst", INFER),
         "mode_bogus": (*base, "--mode", "bogus"),
+        "replicas": (*base, "--replicas", 3, "--json", d / "replicas.json"),
+        "replicas_groups": ("plan", "--src", QWEN_SRC, "--dst", QWEN_DST, "--topology", DGX, "--replicas", 3,
+                            "--json", d / "replicas-groups.json"),
         "help": ("--help",),
     }
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -168,6 +178,71 @@ def test_rank_view(runs, files):
     rows = [line.split() for line in lines[2:]]
     assert rows and all(r[2] == "2" for r in rows)  # rank 2 only receives
     assert rows[0][0] == doc["pieces"][0]["tensor"]
+
+
+def _line(text: str, label: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"  {label:<14}"))
+
+
+def test_replicas_refits_n_copies_of_the_replica(runs, files):
+    """--replicas 3: the demo's TP2 inference layout three times, numbered after the trainer; losing one of them
+    costs a whole refit of the other two (one staging group), as a plan into two replicas written by hand says."""
+    from reshard_cli.plan.cost import with_auto_routes
+    from reshard_cli.plan.planner import Plan
+
+    proc = ok(runs["replicas"])
+    text = proc.stdout
+    assert text.startswith("reshard plan: tiny-moe  demo-train-tp2-ep2 (2 ranks) -> demo-infer-tp2 as 3 replicas "
+                           "(6 ranks)")
+    assert _line(text, "fleet").startswith("  fleet         3 replicas x 2 ranks: ")
+    doc = json.loads((files / "replicas.json").read_text())
+    loss = doc["fleet"]["loss"]
+    two = with_auto_routes(Plan.build(TRAIN, files / "infer-dp2.yaml", mode="auto")).stats()["wire_bytes"]
+    assert loss["replicas_after"] == 2 and loss["groups"] == 1
+    assert loss["resent_bytes_first_group"] == loss["resent_bytes_last_group"] == loss["survivors_wire_bytes"] == two
+    assert _line(text, "losing one") == (f"  losing one    replica mid-refit: the trainer re-sends {fmt_bytes(two)} to "
+                                         f"the 2 survivors (one staging group: the whole refit again)")
+    assert doc["dst_ranks"] == 6 and sorted(int(r) for r in doc["rank_bytes"]) == list(range(8))
+
+
+def test_replicas_loss_by_staging_group(runs, files):
+    """Into an engine's layout: a replica lost in group g costs the survivors' wire of groups g..end, from the
+    first group (the most) down to the last (the least), over the staging line's groups."""
+    text = ok(runs["replicas_groups"]).stdout
+    doc = json.loads((files / "replicas-groups.json").read_text())
+    loss, groups = doc["fleet"]["loss"], doc["staging"]["groups"]
+    assert doc["fleet"]["replicas"] == 3 and loss["replicas_after"] == 2 and loss["groups"] == groups > 1
+    resent = loss["resent_bytes_by_group"]
+    assert len(resent) == groups and resent == sorted(resent, reverse=True)
+    assert resent[0] == loss["resent_bytes_first_group"] == sum(loss["group_wire_bytes"])
+    assert resent[-1] == loss["resent_bytes_last_group"] == loss["group_wire_bytes"][-1] > 0
+    assert loss["resent_bytes_mean"] == pytest.approx(sum(resent) / groups)
+    assert _line(text, "losing one") == (
+        f"  losing one    replica mid-refit: the trainer re-sends {fmt_bytes(resent[0])} to the 2 survivors (lost "
+        f"in group 1 of {groups}) .. {fmt_bytes(resent[-1])} (lost in the last), mean "
+        f"{fmt_bytes(loss['resent_bytes_mean'])}; resumed at the failed group's first layer; committed layers are not sent again")
+
+
+def test_no_loss_line_without_replicas(runs, monkeypatch, capsys, files):
+    """Without --replicas nothing changes: a fleet layout gets its fleet line, and no loss figures."""
+    proc = ok(call_main(monkeypatch, capsys, "plan", "--src", QWEN_SRC, "--dst", QWEN_DST, "--json",
+                        files / "no-replicas.json"))
+    assert "  fleet         4 replicas x 4 ranks" in proc.stdout and "losing one" not in proc.stdout
+    assert "loss" not in json.loads((files / "no-replicas.json").read_text())["fleet"]
+    assert "losing one" not in ok(runs["plan"]).stdout
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_bad_replicas(monkeypatch, capsys, value):
+    line = one_error_line(call_main(monkeypatch, capsys, "plan", "--src", TRAIN, "--dst", INFER, "--replicas", value))
+    assert line.startswith("reshard: error: --replicas: ") and f"not {value}" in line
+
+
+def test_replicas_of_a_layout_without_a_clear_replica(monkeypatch, capsys, files):
+    bad = files / "infer-late-dp.yaml"
+    line = one_error_line(call_main(monkeypatch, capsys, "plan", "--src", TRAIN, "--dst", bad, "--replicas", 2))
+    assert line.startswith("reshard: error: --replicas: cannot make 2 replica(s) of demo-infer-tp2: ")
+    assert f"{bad}" in line and "cannot tell the replica: `dp` is not the slowest (first) dim" in line
 
 
 def test_rank_outside_both_groups(monkeypatch, capsys):

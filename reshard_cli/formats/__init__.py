@@ -10,6 +10,7 @@ expands its document, then `layouts.layout` builds the placements.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from reshard_cli.errors import ConfigError
@@ -62,6 +63,29 @@ def load_pair(src_path: str | Path, dst_path: str | Path, *, scale: int = 1) -> 
     return _layout.check_pair(src, dst)
 
 
+def with_replicas(layout: _layout.Layout, replicas: int, *, after: _layout.Layout | None = None,
+                  scale: int = 1) -> _layout.Layout:
+    """`layout`'s replica `replicas` times (`layouts.layout.replicated_doc`: the `dp` of its mesh set to
+    `replicas`, the replica's own parallelism unchanged), read again from its file through its format (an
+    engine's expert parallelism spreads the experts over the new dp × tp ranks, as the engine would). Its ranks
+    follow `after`'s, as `load_pair` numbers a pair's destination, with its tensors in `after`'s order; without
+    `after` they start where `layout`'s do. `scale`: as the layout was loaded with. The name says the replicas
+    when their number changes."""
+    file = layout.file
+    if not Path(file).is_file():
+        raise ConfigError("a layout not read from a file cannot be replicated: write it as YAML", file=file,
+                          key="mesh")
+    doc = load_yaml(file)
+    if not isinstance(doc, dict):
+        raise ConfigError(f"expected a mapping, got {type(doc).__name__}", file=file)
+    grown = _layout.replicated_doc(doc, replicas, file=file)
+    first = max(after.ranks) + 1 if after is not None else layout.ranks[0]
+    out = layout_from_doc(grown, file=file, first_rank=first, scale=scale)
+    if out.size != layout.size:  # the replica's size is unchanged: their number changed
+        out = replace(out, name=f"{layout.name} as {replicas} replica{'s' if replicas != 1 else ''}")
+    return _layout.check_pair(after, out)[1] if after is not None else out
+
+
 def live_layout(fmt: str, model, checkpoint, *, rank: int | None = None, file: str | None = None) -> _layout.Layout:
     """The layout of a running model of framework `fmt` (what `Refit(src=...)` takes), derived from the
     framework itself where the format can (`megatron`: parallel_state)."""
@@ -79,4 +103,5 @@ def summary(layout) -> dict | None:
     return fmt.summary(layout) if fmt.summary else None
 
 
-__all__ = ["FORMATS", "Format", "get", "layout_from_doc", "load_layout", "load_pair", "live_layout", "summary"]
+__all__ = ["FORMATS", "Format", "get", "layout_from_doc", "load_layout", "load_pair", "live_layout", "with_replicas",
+           "summary"]

@@ -16,6 +16,7 @@ can treat all tensors with the same (shape, dtype, src placement, dst placement)
 """
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -389,6 +390,59 @@ def check_pair(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
     if diff:
         raise ConfigError(f"src and dst models differ: {'; '.join(diff)}", file=dst.file, key="model")
     return src, dst.in_order_of(src.manifest)
+
+
+def replicated_doc(doc: dict, replicas: int, *, file: str, urls: list | None = None) -> dict:
+    """A layout document for `replicas` copies of its replica: the size of its meshes' `dp` dim (their
+    slowest, so that a replica is a contiguous range of ranks) set to `replicas`, or added first where the
+    layout has none (the whole layout is then its replica); `ranks:` left out, so the group is numbered again
+    (a pair's destination right after its source); with `urls`, its `engine.url` those. The replica's own
+    parallelism is unchanged. A layout whose replica cannot be told (`dp` not the slowest dim, or in some of
+    its meshes only) is a ConfigError naming its mesh."""
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ConfigError(f"a fleet has at least one replica, not {replicas!r}", file=file, key="mesh")
+    key = "mesh" if "mesh" in doc else "meshes"
+    raw = doc.get(key)
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError("the replica of a layout is its mesh without `dp`: it needs `mesh:` or `meshes:`",
+                          file=file, key=key, line=line_of(doc, key))
+    meshes = {"mesh": raw} if key == "mesh" else dict(raw)
+    if not all(isinstance(m, dict) and m for m in meshes.values()):
+        raise ConfigError("expected a mapping of dim: size, like {dp: 2, tp: 4}", file=file, key=key,
+                          line=line_of(doc, key))
+    with_dp = [name for name, m in meshes.items() if "dp" in m]
+    if with_dp and len(with_dp) < len(meshes):
+        missing = next(name for name in meshes if name not in with_dp)
+        raise ConfigError(f"cannot tell the replica: mesh {missing!r} has no `dp` dim and {with_dp[0]!r} has one",
+                          file=file, key=key, line=line_of(doc, key))
+    for name, m in meshes.items():
+        if with_dp and next(iter(m)) != "dp":
+            where = key if key == "mesh" else f"meshes.{name}"
+            raise ConfigError(f"cannot tell the replica: `dp` is not the slowest (first) dim of {list(m)}, so a "
+                              f"replica is not a contiguous range of ranks", file=file, key=where,
+                              line=line_of(doc, key))
+    if len({m["dp"] for m in meshes.values()} if with_dp else ()) > 1:
+        raise ConfigError("cannot tell the replica: the meshes' `dp` sizes differ", file=file, key=key,
+                          line=line_of(doc, key))
+
+    def grown(m: dict) -> dict:
+        out = copy.copy(m)  # a loaded mapping keeps its line numbers
+        out.clear()
+        out.update({"dp": replicas, **{d: n for d, n in m.items() if d != "dp"}})
+        return out
+
+    out = copy.copy(doc)
+    out.pop("ranks", None)
+    if key == "mesh":
+        out["mesh"] = grown(raw)
+    else:
+        out["meshes"] = copy.copy(raw)
+        out["meshes"].update({name: grown(m) for name, m in raw.items()})
+    if urls is not None:
+        engine = dict(out.get("engine") or {})
+        engine["url"] = list(urls) if len(urls) > 1 else urls[0]
+        out["engine"] = engine
+    return out
 
 
 def _parse_pipeline(doc, file, meshes, all_dims, num_layers) -> tuple[str | None, tuple[int, ...]]:

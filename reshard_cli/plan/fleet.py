@@ -6,14 +6,22 @@ A layout's replicas are the coordinates of its `dp` mesh dim: a destination rank
 the layout divided by the ranks per replica (`dp` is the slowest dim of an engine's mesh: vLLM places worker
 `data_parallel_index × TP×PP + rank`). Within one NVLink domain, the plan's forwarding makes the fleet cost
 the trainer about one replica's bytes; N separate refits cost it N times that.
+
+Losing a replica mid-refit (`loss_figures`): a refit into a fleet runs in staging groups of whole layers
+(`plan.groups`), each committed on every replica only once all of them have it. When one replica dies in
+group g, the N-1 survivors form a new group, are planned again (the same topology and mode: forwarding among
+themselves) and the refit resumes at the first layer of group g, in the survivors' own groups: the groups
+before it are not sent again, the rest go to the survivors with their plan.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from reshard_cli.layouts.layout import Layout
 from reshard_cli.layouts.topology import Topology
-from reshard_cli.plan.cost import with_auto_routes
+from reshard_cli.plan.cost import links_of, with_auto_routes
+from reshard_cli.plan.groups import Group, resume_group, resume_layer
 from reshard_cli.plan.planner import Plan
 
 
@@ -84,3 +92,45 @@ def fleet_figures(plan, fleet: Fleet, stats: dict | None = None) -> dict:
             "indomain_bytes": stats["indomain_bytes"], "forwarded_bytes": stats["forwarded_bytes"],
             "separate_refits_wire_bytes": separate,
             "broadcast_wire_bytes": stats["broadcast_wire_bytes"]}
+
+
+def loss_figures(plan, survivors: Layout, groups: list[Group], survivor_groups: list[Group]) -> dict:
+    """What losing one replica of `plan`'s fleet mid-refit costs: `survivors` is its destination with one
+    replica fewer (`formats.with_replicas`), `groups` the staging groups the fleet's refit runs in and
+    `survivor_groups` the survivors' (`plan.groups.stage_groups`: experts spread over fewer replicas may group
+    the layers otherwise). Lost in group g, the survivors resume at the layer after groups 0..g-1
+    (`resume_layer`), from their first group holding it (`resume_group`), and are sent their groups from there
+    on (`resent_bytes_by_group[g]`): lost in the first group, a whole refit of the survivors; in the last,
+    about that group.
+
+    Each survivors' group is weighed as the refit plans it: on its own (`Layout.subset`), with the survivors'
+    layout and `plan`'s topology, mode and reshard match. Its wire comes from the survivors' plan of the whole
+    model (`Plan.group_wire_bytes`: a tensor's wire on the reshard path does not depend on its neighbours, a
+    broadcast's root rotates with its place in the group), built once. Only in mode auto with link figures
+    is each group planned on its own, since the cost model chooses a group's routes from its own traffic and
+    may choose otherwise than for the whole model."""
+    t0 = time.perf_counter()
+    alone = with_auto_routes(Plan(plan.src, survivors, plan.topology, mode=plan.mode,
+                                  reshard_match=plan.reshard_match, bucket_bytes=plan.bucket_bytes))
+    everything = [range(len(plan.src.manifest.tensors))]
+    if plan.mode == "auto" and links_of(plan.topology)[0] is not None and len(survivor_groups) > 1:
+        per_group = [_part(alone, g).group_wire_bytes([range(len(g.tensors))])[0] for g in survivor_groups]
+    else:
+        per_group = alone.group_wire_bytes([g.tensors for g in survivor_groups])
+    tail = [sum(per_group[i:]) for i in range(len(per_group))] or [0]  # the survivors' groups i..end
+    resent = [tail[resume_group(survivor_groups, resume_layer(groups[:g]))] for g in range(len(groups))]
+    return {"replicas_after": fleet_of(survivors).replicas, "groups": len(groups),
+            "survivor_groups": len(survivor_groups),
+            "resent_bytes_first_group": resent[0] if resent else 0,
+            "resent_bytes_last_group": resent[-1] if resent else 0,
+            "resent_bytes_mean": sum(resent) / len(resent) if resent else 0,
+            "resent_bytes_by_group": resent,
+            "group_wire_bytes": per_group,  # each survivors' group's own wire
+            "survivors_wire_bytes": alone.group_wire_bytes(everything)[0],  # one refit of them, not in groups
+            "plan_seconds": time.perf_counter() - t0}
+
+
+def _part(whole: Plan, group: Group) -> Plan:
+    """The plan of one staging group on its own, as a refit in groups builds it, with mode auto's routes
+    chosen for it (the class geometry is `whole`'s)."""
+    return with_auto_routes(whole.subset(group.tensors))

@@ -66,15 +66,45 @@ def _grouped(unit_sizes: tuple, budget: int | None) -> list[Group]:
     return groups
 
 
+def resume_layer(committed: list[Group]) -> int | None:
+    """Where a refit resumes after its first groups, `committed`, were committed everywhere: the layer after
+    their last one (None: from the start). In layers, not groups: the refit that resumes (a fleet's survivors,
+    planned again) may group the layers otherwise."""
+    if not committed:
+        return None
+    return max((layer for g in committed for layer in g.layers), default=-1) + 1
+
+
+def resume_group(groups: list[Group], layer: int | None) -> int:
+    """The first of `groups` a refit resumed at `layer` runs (`resume_layer`): the first holding that layer or a
+    later one, the last group if none does (everything was committed: it runs again, so the update ends
+    complete); 0 for None."""
+    if layer is None or not groups:
+        return 0
+    return next((i for i, g in enumerate(groups) if g.layers and g.layers[-1] >= layer), len(groups) - 1)
+
+
+def stage_budget_mb(dst: Layout, stage_mb: float | None = None) -> float:
+    """What a refit into `dst` stages per worker at once, in MiB: `stage_mb`, else the layout's
+    `engine: {stage_mb}`, else DEFAULT_STAGE_MB (0: the whole model, one group)."""
+    for value in (stage_mb, dst.engine.get("stage_mb"), DEFAULT_STAGE_MB):
+        if value is not None:
+            return float(value)
+    return DEFAULT_STAGE_MB
+
+
+def stage_groups(dst: Layout, stage_mb: float | None = None) -> list[Group]:
+    """The staging groups a refit into `dst` runs in (`layer_groups` within `stage_budget_mb`)."""
+    return layer_groups(dst, int(stage_budget_mb(dst, stage_mb) * (1 << 20)))
+
+
 def staging(dst: Layout, stage_mb: float | None = None) -> dict | None:
     """What a refit into `dst`'s engine stages per worker (None when the layout describes no engine): the
     budget (`stage_mb`, else the layout's `engine: {stage_mb}`, else DEFAULT_STAGE_MB), the groups, the most
     one group holds, and what the whole model would hold at once."""
     if not dst.engine:
         return None
-    for value in (stage_mb, dst.engine.get("stage_mb"), DEFAULT_STAGE_MB):
-        if value is not None:
-            break
+    value = stage_budget_mb(dst, stage_mb)
     unit_sizes = _units(dst)
     groups = _grouped(unit_sizes, int(value * (1 << 20)))
     units = _grouped(unit_sizes, 1)

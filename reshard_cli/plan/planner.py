@@ -487,6 +487,14 @@ class TensorClasses:
         self._itemsizes: list[int] | None = None
         self._memo: dict = {}
 
+    def share_geometry(self, other: "TensorClasses") -> None:
+        """Take `other`'s classes (built and to be built) as this one's: `other` is over the same ranks and
+        domains, with the same placement objects (a plan over some of its tensors: `Plan.subset`), so a class
+        has the same geometry in both. The cost model's tables stay this one's own."""
+        if self.domains != other.domains or self.dst.ranks != other.dst.ranks or self._grid != other._grid:
+            raise ValueError("tensor classes are shared only between plans over the same ranks and domains")
+        self._by_key, self._boxes = other._by_key, other._boxes
+
     def of(self, t: int) -> TensorClass:
         """The class of tensor `t`."""
         shape = self.src.manifest.tensors[t].shape
@@ -627,6 +635,15 @@ class Plan:
             w = self.__dict__["_wire"] = Wire(self)
         return w
 
+    def subset(self, tensors) -> "Plan":
+        """This plan over some of its tensors only (both layouts' `Layout.subset`, as a refit in staging groups
+        plans each group), in the same topology and mode (mode auto without routes yet: the cost model chooses
+        them for these tensors). It shares this plan's tensor classes: their geometry is not computed again."""
+        out = Plan(self.src.subset(tensors), self.dst.subset(tensors), self.topology, mode=self.mode,
+                   reshard_match=self.reshard_match, bucket_bytes=self.bucket_bytes)
+        out.classes.share_geometry(self.classes)
+        return out
+
     def with_class_routes(self, class_routes: ClassRoutes) -> "Plan":
         """This plan with mode auto's routes handed in (its classes, already built, are shared)."""
         out = replace(self, class_routes=class_routes)
@@ -754,6 +771,38 @@ class Plan:
                 out["routes"] = self.route_summary(self.routes)
                 out["routes_by"] = self.class_routes.why
             out["plan_seconds"] = time.perf_counter() - t0
+            return out
+
+    def group_wire_bytes(self, groups, itemsizes: list | None = None) -> list:
+        """The network bytes (`stats()["wire_bytes"]`) of each group of tensors (indices into this plan's
+        manifest) when the group is planned on its own, as a refit in staging groups plans each one
+        (`Layout.subset`, the same topology and mode): from this plan's class figures, without planning again.
+
+        A tensor on the reshard path costs what it costs here: its wire does not depend on the tensors planned
+        beside it. A broadcast's root rotates with the tensor's position in its group's own manifest, so it
+        is weighed at that position. The routes are this plan's: in mode auto with link figures, a group
+        planned alone lets the cost model choose again, and may choose otherwise for some classes. One group
+        of every tensor is this plan's own wire. `itemsizes`: as for `stats`."""
+        with no_gc():
+            classes, cid = self.classes.index()
+            items = itemsizes or self.classes.itemsizes()
+            routes = self.routes
+            reshard: dict[tuple, int] = {}  # (class, route) -> network elements per tensor
+            out = []
+            for tensors in groups:
+                total = 0
+                for pos, t in enumerate(sorted(tensors)):  # a subset keeps the manifest's order
+                    i, route = cid[t], routes[t]
+                    if route == Route.BROADCAST:
+                        c = classes[i]
+                        wire = c.bcast_wire(pos % c.bn)
+                    else:
+                        wire = reshard.get((i, route))
+                        if wire is None:
+                            col = classes[i].columns(route == Route.DIRECT)
+                            wire = reshard[(i, route)] = col.fixed_loads.wire + col.rotating.wire
+                    total += wire * items[t]
+                out.append(total)
             return out
 
     def _group_tensors(self, tally: _Tally, itemsizes: list) -> tuple[dict, dict, int]:

@@ -194,7 +194,8 @@ def run(
                                              "MiB each worker stages at once, whole layers (0: the whole model; "
                                              "default: the layout's engine.stage_mb, else 1024)."),
     require_all: bool = typer.Option(False, "--require-all", help="Into a fleet (`engine: {url: [...]}`): every "
-                                     "engine must answer (default: refit the ones that do and name the others)."),
+                                     "engine must answer and none may be lost mid-refit (default: refit the ones "
+                                     "that do, name the others, and finish the step on the survivors)."),
     scale: int = ScaleOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch commands and the rank -> node -> "
                                  "group -> mesh -> domain map, start nothing."),

@@ -1,13 +1,15 @@
 """A one-process trainer that refits a fleet of running `vllm serve`s through the `reshard` trainer engine while
 the fleet changes: run by tests/test_vllm_serve_fleet.py as `python elastic_trainer.py SPEC.json OUT.json`.
 
-SPEC: {"config": path of the model's config.json, "a": and "b": checkpoint dirs, "urls": the first members,
-"join": a server's URL added after the first update, "port": the refit group's port}. Steps:
-  push B into the first members; add the joining server (it catches up to B alone); push A into all three
-  (the group formed again); push B while the joined server's processes are stopped (SIGSTOP) as its update
-  is called: it is dropped after the stall limit and the others get B among themselves in a new group;
-  continue it and add it again (it catches up to B); push A into all three; push B while it is killed as
-  its update is called (dropped again); push A into the survivors.
+SPEC: {"config": the model's config.json, "a": and "b": checkpoint dirs, "urls": the first members (three, all
+of whose workers share one NVLink domain, so replicas forward each other's bytes), "kill": which of them dies,
+"join": a server added later (started on B), "port" and "master_port"}. The refit runs in staging groups of
+one layer each. Steps:
+  push B into the three; push A while the "kill" member is killed (SIGKILL) as the trainer starts sending
+  group 1: it is dropped and the other two resume from group 1 among themselves (new group, new plan) in the
+  same call; add the joining server (it catches up to A alone); push B into the three; push A while the joined
+  server is stopped (SIGSTOP) at group 1: dropped after the stall limit, the others resume; continue it and
+  add it again (it catches up to A); push B into all three.
 OUT: each step's members, dropped ones (with why), what each member serves (greedy token ids), and the
 engine's membership events (catch-up seconds, bytes re-sent)."""
 import json
@@ -56,6 +58,21 @@ def signal_server(url: str, sig) -> list:
     return procs
 
 
+def fault_at_group(index: int, act) -> None:
+    """Run `act` once, in this trainer's process, as its refit starts sending group `index` of the next update
+    (every member committed the groups before it)."""
+    from reshard_cli.transfer.live import Refit
+
+    move = Refit._move
+
+    def moving(self, part):
+        if self.parts.index(part) == index and Refit._move is moving:
+            Refit._move = move  # once
+            act()
+        return move(self, part)
+    Refit._move = moving
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["master_port"]))
@@ -70,7 +87,8 @@ def main() -> None:
     ckpt = {"a": weights(spec["a"]), "b": weights(spec["b"])}
     current = dict(ckpt["a"])
     info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=spec["port"], src=src, dst=dst, rank=0, timeout=20,
-                                     stall=5)
+                                     stall=5, stage_mb=1e-3,  # every layer a group of its own
+                                     topology="name: one-domain\ndomains: ['1-8']\n")  # every member's workers
     clients = [http_client(u, 60) for u in first]
     engine = vb.ReshardTrainerEngine.trainer_init(info, client=clients, source=vb.ReshardSource(lambda: current))
     steps = []
@@ -79,43 +97,40 @@ def main() -> None:
         current.update(ckpt[name])
         report = engine.send_weights(version)
         members = report["members"]
+        ran = engine.refit.parts[report["resumed_from_group"]:]
         steps.append({"pushed": name, "members": members, "dropped": report["dropped"],
+                      "resumed_from_group": report["resumed_from_group"], "groups": len(engine.refit.groups),
+                      "resumed_from_layer": report["resumed_from_layer"],
                       "resent_bytes": report.get("resent_bytes", 0), "wire_bytes": report["wire_bytes"],
+                      "forwarded_bytes": report["forwarded_bytes"],
+                      # the plan's own figures for the groups this update sent (a resumed one: from where it failed)
+                      "plan_forwarded_bytes": sum(p.plan.stats()["forwarded_bytes"] for p in ran),
+                      "plan_wire_bytes": sum(p.plan.stats()["wire_bytes"] for p in ran),
+                      "replicas_identical": report["replicas_identical"],
                       "drop_and_resume_seconds": report.get("drop_and_resume_seconds"),
                       "seconds": report["seconds_with_membership"],
                       "weight_version": report["weight_version"],
                       "served": {u: complete(u, model) for u in members}})
 
     push("b", "step-1")
+    fault_at_group(1, lambda: signal_server(spec["kill"], signal.SIGKILL))
+    push("a", "step-2")
     join = spec["join"]
 
     def add(note: str) -> None:
-        client = http_client(join, 60)
-        engine.add(client)
+        engine.add(http_client(join, 60))
         steps.append({"added": join, "note": note, "served": {join: complete(join, model)},
                       "event": engine.events[-1]})
-        return client
 
-    joining = add("a new server")
-    push("a", "step-2")
-    stopped = []
-
-    def stalls(arg, update=joining.update_weights):  # stopped as its update is called: it never answers
-        stopped.extend(signal_server(join, signal.SIGSTOP))
-        return update(arg)
-    joining.update_weights = stalls
+    add("a new server, started on B")
     push("b", "step-3")
+    stopped = []
+    fault_at_group(1, lambda: stopped.extend(signal_server(join, signal.SIGSTOP)))
+    push("a", "step-4")
     for p in stopped:
         p.send_signal(signal.SIGCONT)
-    joining = add("the stalled server, continued")
-    push("a", "step-4")
-
-    def dies(arg, update=joining.update_weights):  # dies as its update is called: the others are in the refit
-        signal_server(join, signal.SIGKILL)
-        return update(arg)
-    joining.update_weights = dies
+    add("the stalled server, continued")
     push("b", "step-5")
-    push("a", "step-6")
     engine.shutdown()
     json.dump({"steps": steps, "events": engine.events}, open(sys.argv[2], "w"), indent=1)
 

@@ -176,6 +176,65 @@ def test_every_mode_over_its_own_group_with_forwarding(tmp_path, topology):
             assert rows[0][4] == "broadcast" and sent[0] + sent[1] > 0
 
 
+def _resumed(rank, world, src_path, dst_path, topo_path, port):
+    """A refit in agreed groups of one layer each (the tensors outside the layers, layer 0, layer 1), then the
+    next step resumed at layer 0 (what a fleet's survivors run after a member was dropped in that group):
+    destinations start from a sentinel; after the resumed refit the group before it still holds the first
+    step, exactly, and the rest the second. Resumed past the last layer, only the last group runs."""
+    from reshard_cli.formats import load_pair
+    from reshard_cli.transfer.comm import refit_group
+    from reshard_cli.transfer.live import Refit
+
+    group = refit_group("127.0.0.1", port, rank, world)
+    src, dst = load_pair(src_path, dst_path)
+    man = src.manifest.tensors
+    role = "src" if rank in src.ranks else "dst"
+    refit = Refit(role=role, src=src_path, dst=dst_path, topology=topo_path, mode="reshard", group=group,
+                  stage_mb=1e-4)  # 104 bytes: every layer a group of its own
+    layout = src if role == "src" else dst
+
+    def step(k):
+        return {s.name: (torch.arange(s.numel, dtype=torch.float32).reshape(s.shape) * k + 0.5).to(
+            getattr(torch, s.dtype)) for s in man}
+    one, two = step(1), step(2)
+    held = {man[t].name: box for t, box in layout.held(rank)}
+    buffers = {n: torch.full(box.sizes, -7.0).to(one[n].dtype) for n, box in held.items()}
+    sources = {n: one[n][box.slices()].clone() for n, box in held.items()}
+    first = refit(sources if role == "src" else buffers, verify_checksums=True)
+    for n, box in held.items():
+        sources[n].copy_(two[n][box.slices()])
+    resumed = refit(sources if role == "src" else buffers, verify_checksums=True, resume_layer=0)
+    skipped = {man[t].name for t in refit.groups[0].tensors}
+    exact = role == "src" or all(torch.equal(buffers[n], (one if n in skipped else two)[n][box.slices()])
+                                 for n, box in held.items())
+    last = refit(sources if role == "src" else buffers, resume_layer=99)
+    wire = [p.plan.stats()["wire_bytes"] for p in refit.parts]
+    return {"rank": rank, "exact": exact, "ok": (first.checksums_ok, resumed.checksums_ok),
+            "sent": (first.bytes_sent, resumed.bytes_sent, last.bytes_sent), "wire": wire,
+            "groups": [g.layers for g in refit.groups], "first": (first.first_group, resumed.first_group,
+                                                               last.first_group), "skipped": sorted(skipped)}
+
+
+def test_a_resumed_refit_sends_only_the_groups_from_there_on(tmp_path):
+    """`resume_layer`: the groups before it are not sent again (what the trainer engine resumes from after a
+    fleet member was dropped). Two replicas in one domain, forwarding on: the trainer sends exactly the later
+    groups' wire, every destination holds the skipped group from the step before (element by element) and
+    the rest from this step."""
+    from dist_util import free_port
+
+    (tmp_path / "model.yaml").write_text(SMALL_MODEL)
+    paths = []
+    for name, text in zip(("src.yaml", "dst.yaml", "topo.yaml"), (*FLEET, APART)):
+        (tmp_path / name).write_text(text)
+        paths.append(str(tmp_path / name))
+    rows = sorted(run_ranks(6, _resumed, *paths, free_port()).values(), key=lambda r: r["rank"])
+    assert rows[0]["groups"] == [(), (0,), (1,)] and "embed_tokens.weight" in rows[0]["skipped"], rows[0]
+    assert all(r["exact"] and r["ok"] == (True, True) and r["first"] == (0, 1, 2) for r in rows), rows
+    wire = rows[0]["wire"]
+    trainer = [sum(r["sent"][i] for r in rows[:2]) for i in (0, 1, 2)]
+    assert trainer == [sum(wire), sum(wire[1:]), wire[2]] and wire[0] > 0, (trainer, wire)
+
+
 def test_own_group_plans_with_a_topology():
     from reshard_cli.transfer.comm import GroupComm
     from reshard_cli.transfer.live import Refit

@@ -101,44 +101,56 @@ def test_a_server_down_at_the_start_is_named_and_the_others_are_refitted(fleet):
     assert _served(fleet) == from_vllm  # both back on A, bit for bit
 
 
-def test_a_fleet_that_gains_and_loses_a_server_keeps_its_steps(fleet, tmp_path):
-    """The trainer engine's membership (tests/elastic_trainer.py, one trainer process): two servers get B; a
-    third server, started on A, is added and catches up to B alone; all three get A in one refit (the group
-    formed again); the third is stopped (SIGSTOP) as its next update is called: it is dropped after the stall
-    limit, named with why, and the other two get B among themselves in the same call; continued and added
-    again it catches up to B; all three get A; it is killed as its update is called: dropped, the other two
-    get B; then A. Every member serves, token for token, what vLLM's own loader made of that step's
-    checkpoint."""
+def test_a_fleet_that_loses_and_gains_servers_keeps_its_steps(fleet, tmp_path):
+    """The trainer engine's membership (tests/elastic_trainer.py, one trainer process), three servers whose
+    workers share one NVLink domain (the replicas forward each other's bytes), in groups of one layer: all
+    three get B; the middle one is killed as the trainer starts sending group 1 of A: it is dropped, named
+    with why, and the other two resume from group 1 among themselves (a new group, a new plan forwarding
+    between the two) in the same call; a fourth server, started on B, is added and catches up to A alone; the
+    three get B; the fourth is stopped (SIGSTOP) at group 1 of A: dropped after the stall limit, the others
+    resume; continued and added again it catches up to A; all three get B. Ground truth is vLLM's own loader:
+    every member serves, token for token, what a server that loaded that step's checkpoint itself serves."""
     import subprocess
     import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import ExitStack
     from pathlib import Path
 
     from reshard_cli.base.ports import free_port
     from test_vllm_serve import serving
 
     one, two = fleet["urls"]
-    from_vllm = _served(fleet)  # A, as each server loaded it
+    a = _served(fleet)[0]  # A, as the server loaded it
     spec = {"config": str(fleet["a"] / "config.json"), "a": str(fleet["a"]), "b": str(fleet["b"]),
-            "urls": [one, two], "port": free_port(), "master_port": free_port()}
-    with serving(tmp_path, fleet["a"]) as three:
-        spec["join"] = three
+            "port": free_port(), "master_port": free_port()}
+    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        started = [pool.submit(stack.enter_context, serving(tmp_path, fleet[k], "--served-model-name", fleet["model"]))
+                   for k in ("a", "b")]  # both answer to A's name, as the fleet's servers do
+        doomed, four = (f.result() for f in started)
+        b = complete(four, fleet["model"])  # B, as the fourth server loaded it
+        spec.update(urls=[one, doomed, two], kill=doomed, join=four)
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         script = Path(__file__).resolve().parent / "elastic_trainer.py"
         p = subprocess.run([sys.executable, str(script), str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
                            capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     doc = json.loads((tmp_path / "out.json").read_text())
-    s1, joined, s2, stalled, rejoined, s4, killed, s6 = doc["steps"]
-    a, b = from_vllm[0], s1["served"][one]
-    assert s1["members"] == [one, two] and s1["served"][two] == b != a and not s1["dropped"]
-    for j in (joined, rejoined):  # a joined member serves the current weights after its catch-up
-        assert j["served"][three] == b and j["event"]["event"] == "added" and j["event"]["resent_bytes"] > 0, j
-    for s in (s2, s4):
-        assert s["members"] == [one, two, three] and s["served"] == {one: a, two: a, three: a} and not s["dropped"]
-    for s, how in ((stalled, "stopped answering"), (killed, "stopped answering")):
-        assert s["members"] == [one, two] and [d["member"] for d in s["dropped"]] == [three], s
-        assert how in s["dropped"][0]["why"] and s["served"] == {one: b, two: b} and s["resent_bytes"] > 0, s
-    assert stalled["weight_version"] == "step-3" and killed["weight_version"] == "step-5"
-    assert s6["members"] == [one, two] and s6["served"] == {one: a, two: from_vllm[1]}
+    s1, killed, joined, s3, stalled, rejoined, s5 = doc["steps"]
+    assert b != a and s1["members"] == [one, doomed, two] and not s1["dropped"], s1
+    assert s1["served"] == {one: b, doomed: b, two: b} and s1["resumed_from_group"] == 0 and s1["groups"] > 2, s1
+    for s in (s1, killed, s3, stalled, s5):  # the trainer sends, and the replicas forward, what the plan of
+        # the groups sent says: after a drop, the survivors' new plan from the group that failed on
+        assert s["wire_bytes"] == s["plan_wire_bytes"] and s["replicas_identical"], s
+        assert s["forwarded_bytes"] == s["plan_forwarded_bytes"] > 0, s
+    for s, gone, version in ((killed, doomed, "step-2"), (stalled, four, "step-4")):
+        assert s["members"] == [one, two] and [d["member"] for d in s["dropped"]] == [gone], s
+        assert "stopped answering" in s["dropped"][0]["why"] and s["weight_version"] == version, s
+        assert s["served"] == {one: a, two: a}, s  # the survivors hold all of A, exactly
+        # resumed where the drop happened: group 0 was committed on both survivors and not sent again
+        assert s["resumed_from_group"] == 1 and 0 < s["resent_bytes"] == s["wire_bytes"] < s1["wire_bytes"], s
+    for j in (joined, rejoined):  # the joined server serves the current weights (A) after its catch-up
+        assert j["served"] == {four: a} and j["event"]["event"] == "added" and j["event"]["resent_bytes"] > 0, j
+    assert s3["members"] == [one, two, four] and s3["served"] == {one: b, two: b, four: b}, s3
+    assert s5["members"] == [one, two, four] and s5["served"] == {one: b, two: b, four: b}, s5
     print("\n" + json.dumps({"steps": [{k: v for k, v in s.items() if k != "served"} for s in doc["steps"]],
                              "events": doc["events"]}))

@@ -33,7 +33,7 @@ from reshard_cli.base import checksums
 from reshard_cli.base.blocks import blocks_of
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.models import Manifest, TensorSpec
-from reshard_cli.plan.groups import Group, layer_groups
+from reshard_cli.plan.groups import Group, layer_groups, resume_group
 from reshard_cli.plan.planner import Plan
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.transfer import verify
@@ -52,8 +52,9 @@ class RefitStats:
     checksums_ok: bool | None  # None when not verified
     bytes_received: int = 0  # by this rank, this refit
     groups: int = 1  # staging groups the refit ran in (`stage_mb`)
-    checksum: int | None = None  # verified destination: of everything this rank holds (equal on two replicas'
-    # ranks at the same position exactly when they hold the same values)
+    checksum: int | None = None  # verified destination: of everything this rank received, all it holds unless
+    # resumed (equal on two replicas' ranks at the same position exactly when they hold the same values)
+    first_group: int = 0  # a resumed refit's first group (those before it were committed earlier)
 
 
 class Stage:
@@ -175,23 +176,33 @@ class Refit:
         return [p.group for p in self.parts]
 
     def __call__(self, tensors: Mapping[str, torch.Tensor] | None = None, *, verify_checksums: bool = False,
-                 stage: Stage | None = None) -> RefitStats:
+                 stage: Stage | None = None, resume_layer: int | None = None) -> RefitStats:
         """One refit. `tensors`: this rank's sources, or its destination buffers (written in place); a
-        destination that refits in groups may pass a `stage` instead, which opens each group's buffers."""
+        destination that refits in groups may pass a `stage` instead, which opens each group's buffers.
+        `resume_layer`: every destination already holds this refit's tensors outside the decoder layers and
+        its layers below this one (a fleet's survivors after a member was dropped: what they committed): the
+        refit starts at the first staging group holding a later layer (the last group if none does), and the
+        groups before it are not sent again. In layers, not groups: a fleet of another size may group the
+        layers otherwise. Every rank passes the same."""
         tensors = tensors or {}
         if self.plan is None:
             try:
                 self._setup(tensors)
             except GroupBroken as e:
                 raise RefitFailed(f"{e}; {self._progress(0)}", [], [], broken=True, ranks=e.ranks) from None
+        first_group = resume_group(self.groups, resume_layer)
+        if first_group and self.stage_bytes is None:
+            raise ConfigError("resuming a refit needs agreed groups (stage_mb)", key="resume_layer")
         # No barriers: the messages themselves order the ranks. When this returns, this rank's part is done
         # (a destination's buffers hold the new weights; a source may change its tensors again).
         t0 = time.perf_counter()
         sent = received = 0
         good = True
         self.calls += 1
-        self._record_held(0)
+        self._record_held(first_group)  # what a resumed refit's destinations committed before it
         for i, part in enumerate(self.parts):
+            if i < first_group:
+                continue
             if self.stage_bytes is None:
                 self._bind(part, tensors, agreed=part.engine is None)
                 self._told("the transfer", self._move, part)
@@ -204,8 +215,8 @@ class Refit:
                 self._told("releasing the staging", part.engine.release_staging)  # one group's staging at a time
         held = verify_checksums and self.rank in self.plan.dst.ranks
         return RefitStats(time.perf_counter() - t0, sent, good if verify_checksums else None, received,
-                          groups=len(self.parts),
-                          checksum=checksums.combine(p.checksum for p in self.parts) if held else None)
+                          groups=len(self.parts), first_group=first_group,
+                          checksum=checksums.combine(p.checksum for p in self.parts[first_group:]) if held else None)
 
     # ------------------------------------------------------------------------------------------ set-up
 

@@ -13,6 +13,7 @@ import yaml
 
 from reshard_cli.engines.vllm import compat
 from reshard_cli.errors import ConfigError
+from reshard_cli.layouts.layout import replicated_doc
 from reshard_cli.plan.fleet import fleet_of
 
 
@@ -20,9 +21,10 @@ class LLMClient:
     """vLLM's client protocol (`VLLMWeightSyncClient`) over an `LLM` in this process, whose own methods take
     request dicts; `HTTPVLLMWeightSyncClient(url)` is the same for a running `vllm serve`."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, name: str | None = None):
         self.llm = llm
         self.replicas = compat.llm_replicas(llm)  # the layout replicas it drives (its data parallelism)
+        self.name = name  # what a fleet's reports call this member (None: the client's repr)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -162,17 +164,13 @@ def check_fleet(urls: tuple, dst, timeout: float = 30.0, *, require_all: bool = 
 
 
 def fleet_layout(text: str, urls: list | None, replicas: int) -> str:
-    """A fleet layout's YAML text (`portable_layout`) for its members only: the `dp` of `mesh` their replica
-    count (added first where the layout has none: one replica), the replicas' own parallelism unchanged, and
-    with `urls` its `engine.url` the members' URLs."""
+    """A fleet layout's YAML text (`portable_layout`) for its members only (`layouts.layout.replicated_doc`): the
+    `dp` of its mesh their replica count (added first where the layout has none: one replica), the replicas'
+    own parallelism unchanged, and with `urls` its `engine.url` the members' URLs."""
     doc = yaml.safe_load(text)
-    mesh = doc.get("mesh")
-    if not isinstance(mesh, dict):
-        raise ConfigError("a fleet whose members change needs its replica as `mesh: {dp: N, tp: ...}`", key="mesh")
-    doc["mesh"] = {"dp": replicas, **{k: v for k, v in mesh.items() if k != "dp"}}
-    if urls is not None:
-        doc.setdefault("engine", {})["url"] = list(urls) if len(urls) > 1 else urls[0]
-    return yaml.safe_dump(doc, sort_keys=False)
+    if not isinstance(doc, dict):
+        raise ConfigError(f"expected a layout mapping, got {type(doc).__name__}", key="dst")
+    return yaml.safe_dump(replicated_doc(doc, replicas, file="dst", urls=urls), sort_keys=False)
 
 
 def _world_size(url: str, include_dp: str, timeout: float) -> int:

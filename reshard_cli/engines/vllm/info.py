@@ -38,6 +38,9 @@ class ReshardInitInfo(_api.WeightTransferInitInfo):
 @dataclass
 class ReshardUpdateInfo(_api.WeightTransferUpdateInfo):
     verify: bool = True
+    resume_layer: int | None = None  # the engine already holds the tensors outside the decoder layers and the
+    # layers below this one: the trainer's fleet after a dropped member, whose survivors committed them in the
+    # failed attempt; the refit starts at the first group holding a later layer (`Refit.__call__`)
 
 
 @dataclass

@@ -57,7 +57,8 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
         host=opts.refit_host or os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port, rank=rank,
         src=src_text, dst=dst_text,
         timeout=opts.timeout, bucket_mb=opts.bucket_mb, stage_mb=opts.stage_mb,
-        topology=topology_text(opts.topology), mode=opts.mode)
+        topology=topology_text(opts.topology), mode=opts.mode,
+        on_member_fault="fail" if opts.require_all else "drop")  # a member lost mid-refit: dropped, or the error
     clients = []
     for u, n in zip(plan.dst.engine_urls, [n for n in counts if n is not None]):  # rank 0: one client per
         clients.append(http_client(u, opts.timeout))  # engine that answered, with its replicas
@@ -123,6 +124,13 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
     if down:
         doc["down"] = dict(down)
         lines.append(f"  not refitted, down at the start: {'; '.join(down.values())} (--require-all makes it an error)")
+    dropped = [d for r in reports for d in r.get("dropped", ())]
+    if dropped:  # lost mid-refit: the others resumed among themselves, from the group that failed
+        doc["dropped"] = dropped
+        doc["members"] = last["members"]
+        resent = sum(r.get("resent_bytes", 0) for r in reports)
+        lines.append(f"  dropped mid-refit: {'; '.join(d['why'] for d in dropped)}; the other member(s) resumed "
+                     f"from the group that failed and re-sent {fmt_bytes(resent)} (--require-all makes it an error)")
     fp8 = fp8_figures(plan, stats)
     if fp8 is not None:
         doc["fp8"] = {k: fp8[k] for k in ("scheme", "sender_share", "sender_quantized_bytes",

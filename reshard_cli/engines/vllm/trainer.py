@@ -25,6 +25,7 @@ from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, han
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
 from reshard_cli.plan.fleet import fleet_figures, fleet_of
+from reshard_cli.plan.groups import resume_layer
 from reshard_cli.transfer.comm import refit_group
 from reshard_cli.transfer.live import Refit, RefitFailed
 from reshard_cli.transfer.watchdog import GroupBroken
@@ -42,6 +43,7 @@ class UpdateFailed(RuntimeError):
         self.committed, self.groups, self.group_broken = failure.committed, failure.groups, failure.broken
         self.ranks = failure.ranks  # the refit ranks a broken group's line names (trainer r is refit rank r)
         self.held = failure.held  # every worker's refit rank -> the groups it committed, as it recorded them
+        self.line = str(failure)  # what failed, without what it left the engine doing
 
 
 class ReshardSource(_api.WeightSource):
@@ -84,7 +86,6 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             raise ValueError(f"reshard: on_member_fault must be 'drop' or 'fail', not {init_info.on_member_fault!r}")
         self._fleet_text = init_info.dst  # the layout as given: its replica is every member's
         self.version: str | None = None  # the last update's weight version (what a joining member catches up to)
-        self._last: list = []  # the members before the last change (to name the dropped ones)
         self._pending: list = []  # membership changes for the next update (rank 0): ("add" | "remove", client)
         self.events: list = []  # what happened to the membership, in order (the reports carry each update's)
         self._form(init_info, clients if self.is_sender else [])
@@ -196,8 +197,10 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
     def send_weights(self, weight_version: str | None = None) -> dict:
         """One refit into every member of the fleet (membership changed since the last one re-forms the refit
         group and re-plans first). A member whose engine fails, dies or stalls during it is dropped with
-        `on_member_fault: drop` (the default): the update runs again among the others, in a new group with a
-        new plan, and the report names the dropped member and why (`dropped`); `fail` raises as one update."""
+        `on_member_fault: drop` (the default): the others form a new group with a new plan (forwarding among
+        themselves) and the update resumes from the group that failed: the groups every survivor committed are
+        not sent again. The report names the dropped member, why, and the groups it held (`dropped`); `fail`
+        raises as one update."""
         self._apply_membership()
         t0 = time.perf_counter()
         dropped: list = []
@@ -208,27 +211,50 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                 raise RuntimeError(f"reshard: {'; '.join(down.values())}")
             dropped = [{"member": m, "why": why, "held_groups": 0} for m, why in down.items()]
             self._reform([c for c in self.clients if _name(c) not in down] if self.is_sender else [])
-        try:
-            report = self._update(weight_version, started=not down)
-        except UpdateFailed as e:
-            gone = self._faulty(e)
-            if not gone or self.info.on_member_fault != "drop":
-                raise  # not a member's fault, or no member would be left: the update failed
-            resent0 = time.perf_counter()
-            self._reform([c for i, c in enumerate(self.clients) if i not in gone] if self.is_sender else [],
-                         fresh_port=True)
-            report = self._update(weight_version)
-            dropped += [{"member": m, "why": str(e), "held_groups": len(e.committed)}
-                       for m in (self._share([_name(self._last[i]) for i in sorted(gone)]
-                                        if self.is_sender else None))]
-            report["resent_bytes"] = report["wire_bytes"]
-            report["drop_and_resume_seconds"] = round(time.perf_counter() - resent0, 3)
+        resume, resumed, started = None, None, not down
+        while True:
+            try:
+                report = self._update(weight_version, started=started, resume_layer=resume)
+                break
+            except UpdateFailed as e:
+                gone = self._faulty(e)
+                if not gone or self.info.on_member_fault != "drop":
+                    raise  # not a member's fault, or no member would be left: the update failed
+                resumed = resumed or time.perf_counter()
+                lost, resume = self._share(self._resume_point(e, gone) if self.is_sender else None)
+                dropped += [{"member": m, "why": e.line, "held_groups": held} for m, held in lost]
+                self._reform([c for i, c in enumerate(self.clients) if i not in gone] if self.is_sender else [],
+                             fresh_port=True)
+                started = False
+        if resumed is not None:
+            report["resent_bytes"] = report["wire_bytes"]  # the survivors' groups from the failed one on
+            report["drop_and_resume_seconds"] = round(time.perf_counter() - resumed, 3)
+        report["resumed_from_group"] = report["trainer"].get("first_group", 0)  # of the survivors' groups
+        report["resumed_from_layer"] = resume
         report["dropped"] = dropped
         self.events += [{"event": "dropped", **d} for d in dropped]
         report["members"] = self._share([_name(c) for c in self.clients] if self.is_sender else None)
         report["seconds_with_membership"] = round(time.perf_counter() - t0, 3)
         self.version = report["weight_version"]
         return report
+
+    def _resume_point(self, failure: "UpdateFailed", gone: set) -> tuple[list, int | None]:
+        """Rank 0, after a failure that dropped the members `gone`: each one's (name, groups its workers all
+        committed), and the layer the survivors resume from (None: from the start): the one after the groups
+        every survivor's worker committed (a worker that recorded nothing committed none of this update). In
+        layers: the survivors' own plan may group them otherwise (experts spread over fewer replicas)."""
+        per = fleet_of(self.dst).per_replica
+        held, first, out = failure.held or {}, len(failure.groups), []
+        base = self._trainer_size
+        for i, client in enumerate(self.clients):
+            n = (getattr(client, "replicas", None) or 1) * per
+            mine = [held.get(r, 0) for r in range(base, base + n)]
+            base += n
+            if i in gone:
+                out.append((_name(client), min(mine)))
+            else:
+                first = min(first, *mine)
+        return out, resume_layer(failure.groups[:first])
 
     def _share(self, value):
         """`value` from trainer rank 0 on every trainer rank: through the refit group's store while the group is
@@ -283,7 +309,6 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                               if self.is_sender else None)
         if not counts:
             raise RuntimeError("reshard: no member of the fleet is left")
-        self._last = list(self.clients)
         self.shutdown()
         self._form(replace(self.info, port=port, dst=fleet_layout(self._fleet_text, None, sum(counts))), members)
 
@@ -291,7 +316,6 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         """The members (indexes into `clients`) a failed update's line names, the same on every trainer rank:
         the engines whose workers' refit ranks failed, died or stalled. Empty when it names a trainer rank,
         nothing, or every member (the update failed as a whole)."""
-        self._last = list(self.clients)
         if not failure.ranks or any(r < self._trainer_size for r in failure.ranks):
             return set()  # a trainer rank's fault (or none named): not a member's; no trainer rank waits on it
         gone = self._members_of(failure.ranks) if self.is_sender else None
@@ -314,9 +338,11 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             first += n
         return out
 
-    def _update(self, weight_version: str | None = None, *, started: bool = False) -> dict:
+    def _update(self, weight_version: str | None = None, *, started: bool = False,
+                resume_layer: int | None = None) -> dict:
         """One refit into the engine; every worker's numbers and this rank's, as a dict (`started`: vLLM's
-        start_weight_update already called on every client). The engine's weight
+        start_weight_update already called on every client; `resume_layer`: the engines hold what is outside
+        the decoder layers and the layers before it already, `Refit.__call__`). The engine's weight
         version becomes `weight_version` when every group was committed; unchanged when none was; a partial
         marker (`<version>+partial-<k>of<n>`) when a failure left the first k of n groups new. A failure raises
         one line on every trainer rank, after the engine has been told to finish the update."""
@@ -327,13 +353,14 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         if self.is_sender:
             for client in self.clients if not started else ():
                 self._start_update(client)
-            calls = [Call(c.update_weights, {"verify": self.info.verify}) for c in self.clients]
+            calls = [Call(c.update_weights, {"verify": self.info.verify, "resume_layer": resume_layer})
+                     for c in self.clients]
         t0 = time.perf_counter()
         failure: RefitFailed | None = None
         everyone, mine = [], {"bytes_sent": 0, "checksums_ok": None}
         try:
             try:
-                mine = self._send(tensors)
+                mine = self._send(tensors, resume_layer)
             except RefitFailed as e:  # the same line on every rank that saw it
                 failure = e
             except GroupBroken as e:  # a rank died or stalled outside the groups (the full path)
@@ -429,12 +456,12 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             _quietly(client.finish_weight_update, None)
             client.start_weight_update()
 
-    def _send(self, tensors: Mapping[str, torch.Tensor]) -> dict:
-        """This rank's part of one update: the refit, or the full path's tensors."""
+    def _send(self, tensors: Mapping[str, torch.Tensor], resume_layer: int | None = None) -> dict:
+        """This rank's part of one update: the refit (resumed at `resume_layer`), or the full path's tensors."""
         if self.refit is not None:
-            rs = self.refit(tensors, verify_checksums=self.info.verify)
+            rs = self.refit(tensors, verify_checksums=self.info.verify, resume_layer=resume_layer)
             return {"bytes_sent": rs.bytes_sent, "checksums_ok": rs.checksums_ok, "groups": rs.groups,
-                    "seconds": rs.seconds}
+                    "first_group": rs.first_group, "seconds": rs.seconds}
         sent = full.send_full(self.group, tensors, self.src, self.dst, self.info.rank)
         return {"bytes_sent": sent, "checksums_ok": None}
 

@@ -167,13 +167,15 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             return {"bytes_received": got, "direct_bytes": 0, "processed_bytes": got}
         self.target.reset_stats()
         try:
-            rs = self.refit(verify_checksums=update_info.verify, stage=self.target)
+            rs = self.refit(verify_checksums=update_info.verify, stage=self.target,
+                            resume_layer=update_info.resume_layer)
         finally:
             self.staging = self._staging()
         return {"bytes_received": rs.bytes_received, "direct_bytes": rs.bytes_received,
                 "forwarded_bytes": rs.bytes_sent, "checksum": rs.checksum,
                 "processed_bytes": self.target.staged_bytes, "processing_seconds": self.target.processing_seconds,
                 "checksums_ok": rs.checksums_ok, "groups": rs.groups, "committed_groups": rs.groups,
+                "first_group": rs.first_group,
                 **self.staging}
 
     def _staging(self) -> dict:

@@ -221,7 +221,9 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                 if not gone or self.info.on_member_fault != "drop":
                     raise  # not a member's fault, or no member would be left: the update failed
                 resumed = resumed or time.perf_counter()
-                lost, resume = self._share(self._resume_point(e, gone) if self.is_sender else None)
+                lost, layer = self._share(self._resume_point(e, gone) if self.is_sender else None)
+                # what the survivors committed before a resumed attempt failed too stays theirs
+                resume = max((r for r in (resume, layer) if r is not None), default=None)
                 dropped += [{"member": m, "why": e.line, "held_groups": held} for m, held in lost]
                 self._reform([c for i, c in enumerate(self.clients) if i not in gone] if self.is_sender else [],
                              fresh_port=True)

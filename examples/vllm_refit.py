@@ -10,6 +10,7 @@ layout, see `repack_experts` in reshard_cli/engines/vllm/cpu_repairs.py.) At the
     python examples/vllm_refit.py --model qwen3-moe --tp 2 --steps 3 --json refit.json
     python examples/vllm_refit.py --model qwen3-moe --tp 1 --replicas 2 --json fleet.json   # a fleet of 2
     python examples/vllm_refit.py --faults --json faults.json       # faults, then a retry in place (TP2)
+    python examples/vllm_refit.py --replicas 3 --elastic --json elastic.json  # replicas die, stall and join
     python examples/vllm_refit.py --fp8-storage --json fp8.json     # block-FP8 engines (examples/vllm_fp8.py)
 
 With `--replicas N` the engine is a fleet of N `LLM`s (as N servers are), refit together in one refit: a
@@ -159,7 +160,8 @@ def fleet_topology(tp: int, replicas: int) -> str:
 
 
 def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path: str, stage_mb=None,
-            replicas: int = 1, port: str | None = None):
+            replicas: int = 1, port: str | None = None, **info):
+    """The trainer engine on this rank (`info`: more ReshardTrainerInitInfo fields)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from reshard_cli.engines import vllm as vb
@@ -170,7 +172,7 @@ def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path
         host="127.0.0.1", port=ports[port or path], rank=trainer.rank, path=path,
         stage_mb=stage_mb, topology=fleet_topology(tp, replicas),
         src=src_layout(model_dir),
-        dst=f"model: {os.path.join(model_dir, 'config.json')}\nformat: vllm\nmesh: {mesh}\n")
+        dst=f"model: {os.path.join(model_dir, 'config.json')}\nformat: vllm\nmesh: {mesh}\n", **info)
     return WeightTransferTrainerFactory.trainer_init(info, client=client,
                                                      source=vb.ReshardSource(trainer.checkpoint_tensors))
 
@@ -372,6 +374,9 @@ def main() -> int:
     ap.add_argument("--fp8-storage", action="store_true",
                     help="refit block-FP8 vLLM models (tiny DeepSeek-V3, Qwen3-MoE), judged by vLLM's own loader "
                          "(examples/vllm_fp8.py)")
+    ap.add_argument("--elastic", action="store_true",
+                    help="with --replicas N: replicas killed, added and stalled during training, every member judged "
+                         "by vLLM's own loader at every step (examples/vllm_elastic.py)")
     ap.add_argument("--json", help="write {\"cases\": [...], \"steps\": [...]} here")
     ap.add_argument("--workdir", help="where the models and per-step checkpoints go (default: a temp dir)")
     ap.add_argument("--reference", metavar="CKPT", help=argparse.SUPPRESS)  # internal: one fresh engine's output
@@ -390,6 +395,18 @@ def main() -> int:
                 json.dump({"models": models, "passed": ok}, f, indent=1)
         print("every FP8 refit identical to vLLM's own load of the FP8 checkpoint" if ok else
               "FP8 MISMATCH: see the lines above")
+        return 0 if ok else 1
+    if args.elastic:
+        import vllm_elastic
+
+        with tempfile.TemporaryDirectory(prefix="vllm-elastic-") as tmp:
+            result = vllm_elastic.run_elastic(args.workdir or tmp, max(args.replicas, 2))
+        ok = vllm_elastic.passed(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**result, "passed": ok}, f, indent=1)
+        print("every member identical to vLLM's loader at every step; each fault's replica dropped and named, the "
+              "joined one identical from its catch-up" if ok else "ELASTIC FLEET FAILED: see the lines above")
         return 0 if ok else 1
     if args.faults:
         import vllm_faults

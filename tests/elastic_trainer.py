@@ -17,10 +17,14 @@ import os
 import signal
 import sys
 import urllib.request
+from pathlib import Path
 
 import psutil
 import torch.distributed as dist
 from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # the fault hook lives there
+from vllm_elastic import fault_at_group  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8], [900, 1, 2, 3, 4, 5], [77] * 12]
 
@@ -56,21 +60,6 @@ def signal_server(url: str, sig) -> list:
         except psutil.NoSuchProcess:
             pass
     return procs
-
-
-def fault_at_group(index: int, act) -> None:
-    """Run `act` once, in this trainer's process, as its refit starts sending group `index` of the next update
-    (every member committed the groups before it)."""
-    from reshard_cli.transfer.live import Refit
-
-    move = Refit._move
-
-    def moving(self, part):
-        if self.parts.index(part) == index and Refit._move is moving:
-            Refit._move = move  # once
-            act()
-        return move(self, part)
-    Refit._move = moving
 
 
 def main() -> None:

@@ -119,7 +119,7 @@ def run_elastic(root: str, replicas: int = 3) -> dict:
     stopped: list = []
     steps = []
     for i, (kind, hit) in enumerate(schedule(replicas)):
-        row: dict = {"step": i + 1, "kind": kind}
+        row: dict = {"step": i + 1, "kind": kind, "catch_up_seconds": None}  # set when a replica joins
         if kind == "added":  # between steps: it catches up to the weights the fleet serves now
             joining = start(f"replica {replicas + len([s for s in steps if s['kind'] == 'added'])}")
             engine.add(joining["client"])

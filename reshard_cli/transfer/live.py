@@ -190,9 +190,7 @@ class Refit:
                 self._setup(tensors)
             except GroupBroken as e:
                 raise RefitFailed(f"{e}; {self._progress(0)}", [], [], broken=True, ranks=e.ranks) from None
-        first_group = resume_group(self.groups, resume_layer)
-        if first_group and self.stage_bytes is None:
-            raise ConfigError("resuming a refit needs agreed groups (stage_mb)", key="resume_layer")
+        first_group = resume_group(self.groups, resume_layer)  # 0 for a refit in one group: it runs whole
         # No barriers: the messages themselves order the ranks. When this returns, this rank's part is done
         # (a destination's buffers hold the new weights; a source may change its tensors again).
         t0 = time.perf_counter()

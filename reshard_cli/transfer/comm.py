@@ -189,16 +189,17 @@ class GroupComm(_Comm):
         and helper threads stopped and joined, and every reference to the store dropped, so rank 0's store
         server stops and its port is free for the next group (the same host:port may be used again at once)."""
         broken = self.guard is not None and self.guard.broken is not None
-        if self.guard is not None:
-            self.guard.close()
+        stuck = self.guard.close() if self.guard is not None else False
         pgs = [pg for pg in [self.pg, *(s.pg for s in self._subgroups.values() if s is not None)] if pg is not None]
         for pg in pgs:
             _end(pg)
         pg = None  # noqa: F841 - the loop's last reference
         self.pg, self._store, self._subgroups, self.guard = None, None, {}, None
+        if stuck:  # a wait still blocked on a stopped peer: the last references dropped on a thread of their own
+            _release_aside(pgs)
+        pgs.clear()
         if broken:  # the error's frames refer back to the group (a cycle): collected now, so its sockets and
             gc.collect()  # rank 0's store close here, not at some later collection
-            _release_aside(pgs)  # the last references, dropped on a thread of their own
 
     def share(self, obj, root: int = 0):
         """`obj` from refit rank `root` on every rank that calls this (not a collective of the whole group: only

@@ -339,9 +339,10 @@ class Guard:
             _end(pg)
         self.abortables = []
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Stop the heartbeat and the helper thread, ending the group's process groups first (a helper thread
-        blocked in one of them returns)."""
+        blocked in one of them returns). Whether the helper thread is still blocked (in a gloo wait on a
+        stopped peer, which ends only at its timeout; or a rendezvous on a store that went away)."""
         self.watchdog.mark_closed()
         self.watchdog.close()
         self._monitor_stop.set()
@@ -351,12 +352,13 @@ class Guard:
         if self.broken is not None:
             self.abort()  # a helper thread may still be blocked in them
         self.abortables = []
+        stuck = False
         if self._calls is not None:
-            if self.broken is None:
-                self._calls.put(None)
-            self._helper_thread.join(timeout=1 if self.broken is not None else 5)  # one left blocked in a
-            # rendezvous on a store that went away cannot be ended: it is a daemon, and holds nothing
+            self._calls.put(None)  # an idle helper stops now, a blocked one once its call returns
+            self._helper_thread.join(timeout=1 if self.broken is not None else 5)  # one left blocked cannot
+            stuck = self._helper_thread.is_alive()  # be ended: it is a daemon
         self._calls = self._helper_thread = None
+        return stuck
 
 
 def _end(pg) -> None:

@@ -50,9 +50,12 @@ model, since vLLM chooses kernels while constructing layers; the kernel objects 
   checkpoint format: for TRITON, `convert_to_fp8_moe_kernel_format` keeps w13/w2 and their block scales as
   loaded and `make_fp8_moe_quant_config` builds the plain block-FP8 w8a8 config. No Triton code runs.
 
-The stand-ins compute nothing: their `process_weights_after_loading` leaves the checkpoint-format parameters
-as vLLM loaded them (the real CPU kernels would VNNI-pack the weights there) and their matmuls raise
-`NotImplementedError`. Everything else in `process_weights_after_loading` is vLLM's (FusedMoE builds its
+The stand-ins compute in float32 from the dequantized operands (a reference, not a fast kernel): their
+`process_weights_after_loading` leaves the checkpoint-format parameters as vLLM loaded them (the real CPU kernels
+would VNNI-pack the weights there); the linear one reads the layer's weight and scales as vLLM's block kernels
+do, the experts one the FP8 weights vLLM passes and the scales of its own quant config (`moe_quant_config`),
+where vLLM's experts kernels read them, so what a model computes through them depends on exactly what vLLM's
+processing left where (`examples/vllm_probe.py` runs them module by module). Everything else in `process_weights_after_loading` is vLLM's (FusedMoE builds its
 modular kernel around the stand-in experts; MLA dequantizes the FP8 `kv_b_proj` into W_UK/W_UV in torch).
 """
 from __future__ import annotations
@@ -174,11 +177,18 @@ def random_checkpoint(config: dict, seed: int) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------ the stand-ins
 
+def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 `q` [..., N, K] times its per-block scales [..., ceil(N/128), ceil(K/128)], in float32."""
+    rows = scale.repeat_interleave(BLOCK[0], -2)[..., : q.shape[-2], :]
+    return q.float() * rows.repeat_interleave(BLOCK[1], -1)[..., : q.shape[-1]]
+
+
 def _stand_in_classes():
     """Built on first use: vLLM's kernel base classes import vLLM's config (and must be imported after it)."""
     global StandInFp8BlockKernel, StandInFp8Experts
     if "StandInFp8BlockKernel" in globals():
         return StandInFp8BlockKernel, StandInFp8Experts
+    import torch.nn.functional as F
     import vllm.config  # noqa: F401  (fused_moe imported first hits a circular import in transformers)
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
@@ -186,12 +196,12 @@ def _stand_in_classes():
     )
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 
-    why = "a test stand-in for vLLM's FP8 kernels (tests/vllm_fp8.py): it computes nothing"
-
     class StandInFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
         """vLLM's block-FP8 linear kernel interface, chosen by vLLM's `choose_scaled_mm_linear_kernel` only
         after every real kernel of the platform refused. Keeps the layer's checkpoint-format `weight` [N, K]
-        and `weight_scale_inv` [ceil(N/128), ceil(K/128)] as loaded; computes nothing."""
+        and `weight_scale_inv` [ceil(N/128), ceil(K/128)] as loaded; vLLM's own `apply_weights` quantizes the
+        input per 128-element group and hands both to `apply_block_scaled_mm`, which computes the product in
+        float32 from the dequantized operands (a reference, not a fast kernel)."""
 
         stand_in = True
 
@@ -202,14 +212,14 @@ def _stand_in_classes():
         def process_weights_after_loading(self, layer):
             pass  # the real CPU kernels VNNI-pack `weight` here; the checkpoint format stays
 
-        def apply_weights(self, layer, x, bias=None, **kwargs):
-            raise NotImplementedError(why)
-
         def apply_block_scaled_mm(self, A, B, As, Bs):
-            raise NotImplementedError(why)
+            a = A.float() * As.float().repeat_interleave(BLOCK[1], -1)[..., : A.shape[-1]]
+            return (a @ _dequantize(B, Bs).T).to(self.config.out_dtype)
 
     class StandInFp8Experts(mk.FusedMoEExpertsModular):
-        """vLLM's modular-experts interface for block-FP8 routed experts; computes nothing."""
+        """vLLM's modular-experts interface for block-FP8 routed experts, computing the experts in float32
+        from the FP8 weights vLLM passes and the scales of its own quant config (`quant_config.w1_scale`,
+        `w2_scale`: where vLLM's experts kernels read them, not from the layer), on unquantized inputs."""
 
         stand_in = True
 
@@ -237,6 +247,10 @@ def _stand_in_classes():
         def _supports_quant_scheme(weight_key, activation_key):
             return True
 
+        @property
+        def expects_unquantized_inputs(self):
+            return True  # vLLM's input quantization needs Triton, absent on a CPU
+
         def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
                              activation):
             return (0,), (0,), (M, K)
@@ -244,8 +258,21 @@ def _stand_in_classes():
         def finalize_weight_and_reduce_impl(self):
             return TopKWeightAndReduceNoOP()
 
-        def apply(self, *args, **kwargs):
-            raise NotImplementedError(why)
+        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                  expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+                  apply_router_weight_on_input):
+            x, out = hidden_states.float(), torch.zeros(output.shape, dtype=torch.float32)
+            local = topk_ids if expert_map is None else expert_map[topk_ids.long()]
+            for e in range(w1.shape[0]):
+                hit = local == e
+                rows = hit.any(-1).nonzero().flatten()
+                if not len(rows):
+                    continue
+                gate, up = (x[rows] @ _dequantize(w1[e], self.quant_config.w1_scale[e]).T).chunk(2, -1)
+                y = (F.silu(gate) * up) @ _dequantize(w2[e], self.quant_config.w2_scale[e]).T
+                weight = 1.0 if apply_router_weight_on_input else (topk_weights * hit).sum(-1)[rows, None]
+                out[rows] += y * weight
+            output.copy_(out.to(output.dtype))
 
     globals().update(StandInFp8BlockKernel=StandInFp8BlockKernel, StandInFp8Experts=StandInFp8Experts)
     return StandInFp8BlockKernel, StandInFp8Experts
@@ -344,8 +371,10 @@ def release_world() -> None:
     _OWN_WORLD = False
 
 
-def build_fp8_model(config_dir_or_config, *, stand_ins: str = "auto", dtype: str = "bfloat16"):
-    """A real vLLM model with block-FP8 quantization active, on CPU, TP1: `(vllm_config, model)`.
+def build_fp8_model(config_dir_or_config, *, stand_ins: str = "auto", dtype: str = "bfloat16",
+                    fp8: bool = True):
+    """A real vLLM model with block-FP8 quantization active, on CPU, TP1: `(vllm_config, model)` (`fp8=False`:
+    the model as its config says, a BF16 one unquantized).
 
     `config_dir_or_config`: a model directory with a config.json that already has a `quantization_config`,
     or an HF config dict (without one: `fp8_config` adds it). `stand_ins`: "auto" (vLLM's real FP8 kernels
@@ -361,7 +390,7 @@ def build_fp8_model(config_dir_or_config, *, stand_ins: str = "auto", dtype: str
     tmp = None
     if isinstance(config_dir_or_config, dict):
         config = config_dir_or_config
-        if "quantization_config" not in config:
+        if fp8 and "quantization_config" not in config:
             config = fp8_config(config)
         tmp = tempfile.mkdtemp(prefix="vllm-fp8-")
         Path(tmp, "config.json").write_text(json.dumps(config))
@@ -372,7 +401,7 @@ def build_fp8_model(config_dir_or_config, *, stand_ins: str = "auto", dtype: str
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
         vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=1),
                         device_config=DeviceConfig("cpu"))
-        assert mc.quantization == "fp8", f"{model_dir}: quantization {mc.quantization!r}, not fp8"
+        assert mc.quantization == "fp8" or not fp8, f"{model_dir}: quantization {mc.quantization!r}, not fp8"
         patch = {"auto": stand_in_kernels, "always": lambda: stand_in_kernels(always=True),
                  "linear": lambda: stand_in_kernels(experts=False), "never": contextlib.nullcontext}[stand_ins]
         with set_current_vllm_config(vc):

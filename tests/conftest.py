@@ -136,6 +136,7 @@ TIER_MODULES: dict[str, tuple[str, ...]] = {
     "test_fp8": ("vllm",),  # vLLM's quantizer as the reference: seconds
     "test_vllm_fp8_storage": ("vllm",),  # vLLM's FP8 layers in this process, a world of one: seconds
     "test_vllm_fp8_format": ("vllm",),  # and one run of the FP8 example: three processes, a minute
+    "test_vllm_abort": ("slow", "vllm"),  # three vLLM models in this process, each built a few times: a minute
     "test_transport": _PROCS,  # every mode on gloo process groups
     "test_run": _PROCS,  # `reshard run` under torchrun
 }

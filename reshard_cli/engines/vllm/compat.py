@@ -183,6 +183,20 @@ def derived_layers(model, staged: dict) -> dict:
     return out
 
 
+def kernel_objects(module) -> list:
+    """The objects `module` computes through whose attributes vLLM's processing replaces: its quant method
+    (`Fp8MoEMethod` rebuilds `moe_quant_config`, whose scales the experts kernel reads, and `moe_kernel`) and an
+    attention layer's backend `impl` (MLA's impl packs its own weights)."""
+    import torch
+
+    out = []
+    for name in ("quant_method", "impl"):
+        obj = vars(module).get(name)
+        if obj is not None and not isinstance(obj, (torch.Tensor, torch.nn.Module)) and hasattr(obj, "__dict__"):
+            out.append(obj)
+    return out
+
+
 def process_derived(layer, model_config) -> None:
     """vLLM's processing of a derived layer (`derived_layers`) from its source's current weights; it writes its
     tensors in place where their shapes stay (vLLM's `replace_parameter(prefer_copy=True)`)."""
@@ -245,6 +259,15 @@ def swap_mismatch(module) -> str | None:
             if new is not None and (tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype):
                 return f"{name}: processed {list(new.shape)} {new.dtype}, kernel {list(old.shape)} {old.dtype}"
     return None
+
+
+def kernel_tensors(module) -> dict:
+    """The tensors `module` computed with before `begin_reload` set them aside (name -> tensor), {} outside a
+    reload."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    kernel = layerwise.get_layerwise_info(module).kernel_tensors
+    return {name: t for table in kernel or () for name, t in table.items()}
 
 
 def swap_in(module) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from reshard_cli import formats
 from reshard_cli.engines.vllm import compat, cpu_repairs
+from reshard_cli.engines.vllm.saved import Saved
 from reshard_cli.errors import ConfigError
 from reshard_cli.plan.groups import layer_groups
 from reshard_cli.transfer.live import Stage
@@ -63,7 +64,7 @@ class EngineTarget(Stage):
         # as vLLM's own loader zeroes them
         self.padded = {et.name for et in self.storage
                        if not et.scales and sum(v.box.numel for v in et.views) < _numel(et.shape)}
-        self.open_group: tuple | None = None  # (staged modules, {name: (parameter, copy)}, their attributes)
+        self.open_group: tuple | None = None  # (staged modules, {name: (parameter, copy)}, {module: [Saved]})
         self.landing: list = []  # a block-FP8 engine's open group: the BF16 buffers the refit allocated for
         # blocks that arrive unquantized (it quantizes them into the FP8 views)
         self.peak_staged_bytes = 0  # measured: the most bytes the open group held at once, this update
@@ -107,7 +108,7 @@ class EngineTarget(Stage):
 
     def _measure(self) -> None:
         """The bytes the open group holds now (CPU), or the allocator's peak so far (CUDA)."""
-        modules, copies, _attrs = self.open_group
+        modules, copies, saved = self.open_group
         device = next((p.device for p in self.model.parameters()), None)
         if device is not None and device.type == "cuda":
             held = torch.cuda.max_memory_allocated(device) - self._base_allocated
@@ -122,7 +123,7 @@ class EngineTarget(Stage):
                 seen[copy.untyped_storage().data_ptr()] = copy.untyped_storage().nbytes()
             for buf in self.landing:
                 seen[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
-            held = sum(seen.values())
+            held = sum(seen.values()) + sum(x.nbytes for entries in saved.values() for x in entries)
         self.peak_staged_bytes = max(self.peak_staged_bytes, held)
 
     def open(self, group, layout) -> dict:
@@ -138,10 +139,10 @@ class EngineTarget(Stage):
                 modules[mod_name] = self.staged[mod_name]
         begun: dict = {}
         copies: dict = {}
-        attrs: dict = {}
-        self.open_group = (begun, copies, attrs)  # what an abort must undo, should this fail half-way
+        saved: dict = {}  # per staged module: what vLLM's processing may replace (the module's, then its tied
+        self.open_group = (begun, copies, saved)  # and derived modules'): what an abort undoes
         for mod_name, module in modules.items():
-            attrs[mod_name] = _state(module)
+            saved[mod_name] = [Saved(module)]
             compat.begin_reload(module)
             begun[mod_name] = module
             compat.materialize(module)
@@ -157,7 +158,6 @@ class EngineTarget(Stage):
         self._land_fp8(tensors, params, layout, buffers)
         self._measure()
         return buffers
-
     def _land_fp8(self, tensors: list, params: dict, layout, buffers: dict) -> None:
         """A block-FP8 engine: each quantized checkpoint box is handed to the refit as an `FP8Landing` of its FP8
         view and its scales' view (the box holds whole blocks: the layout is checked so), where the blocks a
@@ -178,11 +178,14 @@ class EngineTarget(Stage):
                 buffers[specs[v.tensor].name] = FP8Landing(data[v.region], scale[sv.region], held=self.landing)
 
     def prepare(self, group) -> None:
-        """vLLM's post-processing of the group's staged modules into the kernels' format (after the refit
-        wrote and verified them): every allocation of the group happens here, before the last agreement;
-        what the model computes with is untouched. A failure leaves the group open for the refit's abort."""
+        """vLLM's post-processing of the group (after the refit wrote and verified it), everything that can
+        allocate or fail, before the last agreement: the staged modules into the kernels' format, then the
+        modules whose kernels are built from them (a tied lm_head, from the embedding's new values) and the
+        layers vLLM derives from them (MLA's W_UK_T / W_UV, from the new kv_b_proj). What each of them computes
+        through is saved first (`saved.Saved`), so an abort puts it all back; the worker runs nothing else
+        between this and the commit. A failure leaves the group open for the refit's abort."""
         t0 = time.perf_counter()
-        modules, _copies, _attrs = self.open_group
+        modules, _copies, saved = self.open_group
         self._measure()  # with the BF16 landing buffers of an FP8 engine, dropped once processed
         self.landing.clear()
         for module in modules.values():
@@ -191,58 +194,68 @@ class EngineTarget(Stage):
             why = compat.swap_mismatch(module)
             if why:
                 raise RuntimeError(f"vLLM's processing changed a kernel tensor's shape ({why})")
+        for name, module in modules.items():
+            for tied in self.tied.get(name, ()):
+                saved[name].append(Saved(tied, tables=True))
+                self._process_tied(tied, module)
+            for _layer_name, layer in self.derived.get(name, ()):
+                saved[name].append(Saved(layer, tables=True, values=True))
+                compat.process_derived(layer, self.model_config)
         self._measure()
         self.processing_seconds += time.perf_counter() - t0
 
+    def _process_tied(self, tied, source) -> None:
+        """vLLM's processing of a module tied to a staged one (a tied lm_head shares the embedding's weight),
+        from the source's new values: its shared tensors point at the source's staged ones while it runs, and
+        back at the shared kernel tensors after (which the commit fills with the same values)."""
+        staged = {id(kernel): getattr(source, name) for name, kernel in compat.kernel_tensors(source).items()}
+        saved = {n: p for n, p in tied.named_parameters(recurse=False)}
+        for n, p in saved.items():
+            if id(p) in staged:
+                tied._parameters[n] = staged[id(p)]
+        try:
+            cpu_repairs.reprocess_tied([tied])
+        finally:
+            for n, p in saved.items():
+                tied._parameters[n] = p
+
     def commit(self, group) -> None:
-        """Every rank prepared the group: its processed values copied into the kernels' storage (checked to
-        fit in `prepare`), vLLM's finalize, the other parameters copied into place. Only tied modules (a
-        tied lm_head) are processed here, once the shared parameter holds the new values."""
+        """Every rank prepared the group: a swap and nothing else. The processed values are copied into the
+        kernels' storage (checked to fit in `prepare`) and vLLM's own tensors put back, the other parameters
+        copied into place; tied and derived modules were processed in `prepare`."""
         t0 = time.perf_counter()
-        modules, copies, _attrs = self.open_group
-        self.open_group = None
-        for module in modules.values():
-            compat.swap_in(module)
-            compat.finish_reload(module, self.model_config)
-        for param, copy in copies.values():
-            param.data.copy_(copy)
-        for name in modules:
-            cpu_repairs.reprocess_tied(self.tied.get(name, ()))
-        for name in modules:
-            for _layer_name, layer in self.derived.get(name, ()):
-                compat.process_derived(layer, self.model_config)
+        modules, copies, saved = self.open_group
+        done: list = []
+        try:
+            for name, module in modules.items():
+                compat.swap_in(module)
+                compat.finish_reload(module, self.model_config)
+                done.append(name)
+            for param, copy in copies.values():
+                param.data.copy_(copy)
+        finally:  # a defect: the modules not swapped in stay open, for the abort that follows to put back
+            rest = {n: m for n, m in modules.items() if n not in done}
+            self.open_group = (rest, {}, {n: saved[n] for n in rest}) if rest else None
         self.processing_seconds += time.perf_counter() - t0
 
     def abort(self, group=None) -> None:
-        """vLLM's finalize on the open group's staged modules: their previous kernel tensors back, and the
-        kernel state their processing may have replaced (prepared but not committed) as it was; the copies
-        of the other parameters dropped."""
+        """The open group undone: vLLM's finalize gives its staged modules their previous kernel tensors back,
+        and whatever their processing replaced (the module's kernel state, its quant method's kernel and
+        scales) and the tied and derived modules processed with them are restored as saved; the copies of the
+        other parameters dropped."""
         self.landing.clear()
         if self.open_group is None:
             return
-        modules, _copies, attrs = self.open_group
+        modules, _copies, saved = self.open_group
         self.open_group = None
         for name, module in modules.items():
             compat.finish_reload(module, self.model_config)
-            _restore(module, attrs[name])
+            for s in reversed(saved[name]):
+                s.restore()
 
 
-_TABLES = ("_parameters", "_buffers", "_modules")
 _KV_SCALE = re.compile(r"attn\._?(k|v|q|prob)_scale$")  # an FP8 engine's attention: the KV cache's scales,
 # which no checkpoint weight fills (vLLM's loader leaves them too)
-
-
-def _state(module) -> dict:
-    """A module's own attributes besides its tensors and children (where vLLM's processing keeps kernel state
-    outside tensors: the CPU build's packed-GEMM closure `cpu_linear`)."""
-    return {k: v for k, v in vars(module).items() if k not in _TABLES}
-
-
-def _restore(module, state: dict) -> None:
-    for k in [k for k in vars(module) if k not in _TABLES and k not in state]:
-        delattr(module, k)
-    for k, v in state.items():
-        module.__dict__[k] = v
 
 
 def _numel(shape) -> int:

@@ -63,5 +63,6 @@ def test_the_refit_topology_is_the_same_on_every_rank():
     assert domain_key("", torch.device("cpu")) is None
     assert domain_key("auto", torch.device("cpu")) == nvml.rank_domain_key(nvml.discover(), 0)
     peer = Peer(lambda mine: {**mine, "role": "vLLM worker 0", "domain": "nvl-1"})
-    assert handshake(peer, "trainer 0", MODEL, None, "host-a") == ["host-a", "nvl-1"]
+    agreed = handshake(peer, "trainer 0", MODEL, None, "host-a")
+    assert agreed.domains == ["host-a", "nvl-1"] and agreed.open_updates == [False, False]
     assert peer.calls == 1  # the keys ride on the handshake's one exchange

@@ -88,13 +88,16 @@ class RefitFailed(RuntimeFailure):
     committed before the failure (the same on every rank), `groups`: all of them."""
 
     def __init__(self, message: str, committed: list[Group], groups: list[Group], exit_code: int = 1,
-                 broken: bool = False, ranks: tuple = ()):
+                 broken: bool = False, ranks: tuple = (), line: str | None = None):
         super().__init__(message)
         self.committed, self.groups, self.exit_code = committed, groups, exit_code
         self.broken = broken  # the refit group is given up (a rank died, stalled or failed mid-transfer)
         self.ranks = ranks  # with `broken`: the refit ranks the line names
+        self.line = line or message  # what failed, without what it left the destinations holding
         self.held: dict[int, int] = {}  # destination rank -> groups it committed in this refit, as it recorded
         # them on the group's store (`Refit.held`), where a rank could record
+        self.torn: set[int] = set()  # destination ranks whose commit of the next group failed part-way (a
+        # defect): they hold part of that group too (`Refit.torn`)
 
     @property
     def partial(self) -> bool:
@@ -189,7 +192,8 @@ class Refit:
             try:
                 self._setup(tensors)
             except GroupBroken as e:
-                raise RefitFailed(f"{e}; {self._progress(0)}", [], [], broken=True, ranks=e.ranks) from None
+                raise RefitFailed(f"{e}; {self._progress(0)}", [], [], broken=True, ranks=e.ranks,
+                                  line=str(e)) from None
         first_group = resume_group(self.groups, resume_layer)  # 0 for a refit in one group: it runs whole
         # No barriers: the messages themselves order the ranks. When this returns, this rank's part is done
         # (a destination's buffers hold the new weights; a source may change its tensors again).
@@ -229,15 +233,24 @@ class Refit:
         except Exception as e:  # noqa: BLE001
             self.comm.fail(f"{self._me()}: {what} failed ({type(e).__name__}: {e})", (self.rank,))
 
-    def _record_held(self, committed: int) -> None:
-        """A destination rank records on the group's store how many groups of this refit it has committed, so
-        the trainer's report says what every rank actually holds, even after the group broke."""
+    def _record_held(self, committed: int, *, torn: bool = False) -> None:
+        """A destination rank records on the group's store how many groups of this refit it has committed (and
+        `torn`: that its commit of the next one failed part-way), so the trainer's report says what every rank
+        actually holds, even after the group broke."""
         if self.rank in (self.plan.dst.ranks if self.plan is not None else ()):
-            self.comm.note(f"held/{self.rank}", f"{self.calls}:{committed}")
+            self.comm.note(f"held/{self.rank}", f"{self.calls}:{committed}" + (":torn" if torn else ""))
 
     def held(self) -> dict[int, int]:
         """Every destination rank's groups committed in this refit, as recorded (a rank that recorded nothing
         for it, dead before its first group, holds none of it); {} without a store to read."""
+        return {r: n for r, (n, _torn) in self._records().items()}
+
+    def torn(self) -> set[int]:
+        """The destination ranks whose commit failed part-way in this refit (they hold part of one more group
+        than `held` says)."""
+        return {r for r, (_n, torn) in self._records().items() if torn}
+
+    def _records(self) -> dict[int, tuple[int, bool]]:
         if self.plan is None:
             return {}
         got = self.comm.read([f"held/{r}" for r in self.plan.dst.ranks])
@@ -245,8 +258,8 @@ class Refit:
             return {}
         out = {}
         for r, raw in zip(self.plan.dst.ranks, got):
-            call, _, n = (raw or "").partition(":")
-            out[r] = int(n) if call == str(self.calls) else 0
+            call, n, torn = ((raw or "").split(":") + ["", ""])[:3]
+            out[r] = (int(n), torn == "torn") if call == str(self.calls) else (0, False)
         return out
 
     def close(self) -> None:
@@ -443,7 +456,7 @@ class Refit:
             if opened is not None:
                 opened.abort(part.group)
             raise RefitFailed(f"{e}; {self._progress(i)}", self.groups[:i], self.groups, broken=True,
-                              ranks=e.ranks) from None
+                              ranks=e.ranks, line=str(e)) from None
         finally:
             if opened is not None and part.engine is not None:  # the group's buffers are the engine's again:
                 part.engine.unbind_destination()  # holding on to them would keep every group's staging alive
@@ -477,9 +490,10 @@ class Refit:
             try:
                 opened.commit(part.group)
             except Exception as e:  # noqa: BLE001 - a defect: told to everyone, the store says what this rank holds
+                self._record_held(i, torn=True)
                 self.comm.fail(f"{self._me()}: committing {part.group.label} failed after every rank agreed "
-                               f"({type(e).__name__}: {e}); this rank holds {i} group(s) of this refit",
-                               (self.rank,))
+                               f"({type(e).__name__}: {e}); it holds {i} group(s) of this refit and part of "
+                               f"{part.group.label}", (self.rank,))
             self._record_held(i + 1)
         return not bad
 
@@ -492,17 +506,12 @@ class Refit:
             return
         if stage is not None:
             stage.abort(part.group)
-        raise RefitFailed(f"{one_line(failed, label='refit rank')}; {self._progress(i)}", self.groups[:i],
-                          self.groups, exit_code=max(f.exit_code for f in failed) if i == 0 else 1)
+        line = one_line(failed, label="refit rank")
+        raise RefitFailed(f"{line}; {self._progress(i)}", self.groups[:i], self.groups,
+                          exit_code=max(f.exit_code for f in failed) if i == 0 else 1, line=line)
 
     def _progress(self, i: int) -> str:
-        """What the destination computes with after a failure in group i."""
-        if i == 0:
-            return "nothing was committed: every destination keeps its previous weights"
-        done = self.groups[:i]
-        rest = self.groups[i:]
-        return (f"committed {i} of {len(self.groups)} groups ({_labels(done)}: new weights; {_labels(rest)}: "
-                f"previous weights); the next refit repairs it")
+        return progress(self.groups, i)
 
     def _me(self) -> str:
         return f"refit rank {self.rank}" + (f" ({self.who})" if self.who else "")
@@ -510,6 +519,14 @@ class Refit:
 
 _SETUP = "refit set-up"
 _WORLD_REFITS = itertools.count()  # Refits over the default group made in this process (the same order on every rank)
+
+
+def progress(groups: list[Group], i: int) -> str:
+    """What the destination computes with after a refit in these groups failed with the first i committed."""
+    if i == 0:
+        return "nothing was committed: every destination keeps its previous weights"
+    return (f"committed {i} of {len(groups)} groups ({_labels(groups[:i])}: new weights; {_labels(groups[i:])}: "
+            f"previous weights); the next refit repairs it")
 
 
 def _labels(groups: list[Group]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from dataclasses import dataclass
 from typing import Mapping
 
 from reshard_cli.errors import ConfigError
@@ -13,10 +14,10 @@ from reshard_cli.hw import nvml
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.plan.fleet import fleet_of
 from reshard_cli.formats import load_layout, load_pair
-
-NUMBERS = "update numbers"  # the collective after an update where the trainer collects every worker's numbers
 from reshard_cli.plan.groups import DEFAULT_STAGE_MB
 from reshard_cli.transfer.agree import Failure, one_line
+
+NUMBERS = "update numbers"  # the collective after an update where the trainer collects every worker's numbers
 
 
 def digest(layout=None, tensors: Mapping | None = None) -> list | None:
@@ -28,29 +29,41 @@ def digest(layout=None, tensors: Mapping | None = None) -> list | None:
     return None
 
 
-def handshake(comm, role: str, model, error: str | None, domain: str | None = None) -> list:
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank of a refit group said in the handshake, in refit-rank order: its NVLink domain key
+    (`topology: auto`), and whether vLLM's update session is open on it (a vLLM worker whose previous trainer
+    started an update and never finished it: the next trainer finishes it before starting its own)."""
+
+    domains: list
+    open_updates: list
+
+
+def handshake(comm, role: str, model, error: str | None, domain: str | None = None, *,
+              open_update: bool = False) -> Agreed:
     """Collective over the refit group: every rank says its role, a hash of its model (None: derived from
-    DTensors later), whether its own checks passed, and its NVLink domain key (`topology: auto`). Every rank
-    raises the same one-line ConfigError if any failed or two models differ, so no side waits for a transfer
-    that will not come. Only when the hashes differ do the ranks exchange the models themselves, to name the
-    first difference. Returns every rank's domain key, in refit-rank order."""
+    DTensors later), whether its own checks passed, its NVLink domain key and (a worker) whether an update
+    session is open on it. Every rank raises the same one-line ConfigError if any failed or two models differ,
+    so no side waits for a transfer that will not come. Only when the hashes differ do the ranks exchange the
+    models themselves, to name the first difference."""
     mine = hashlib.sha256(repr(model).encode()).hexdigest() if model is not None else None
-    everyone = comm.all_gather_object({"role": role, "model": mine, "error": error, "domain": domain})
+    everyone = comm.all_gather_object({"role": role, "model": mine, "error": error, "domain": domain,
+                                       "open": open_update})
     if hasattr(comm, "name_ranks"):
         comm.name_ranks([x["role"] for x in everyone])
     failures = [Failure(r, x["error"], 2, x["role"]) for r, x in enumerate(everyone) if x["error"]]
     if failures:
         raise ConfigError(one_line(failures, label="refit rank"))
-    domains = [x["domain"] for x in everyone]
+    agreed = Agreed([x["domain"] for x in everyone], [bool(x.get("open")) for x in everyone])
     if len({x["model"] for x in everyone if x["model"] is not None}) < 2:
-        return domains
+        return agreed
     models = [(r, m) for r, m in enumerate(comm.all_gather_object(model)) if m is not None]
     r0, m0 = models[0]
     for r, m in models[1:]:
         if m != m0:
             raise ConfigError(f"refit ranks {r0} ({everyone[r0]['role']}) and {r} ({everyone[r]['role']}) have "
                               f"different models: {_first_difference(m0, m)}", key="model")
-    return domains
+    return agreed
 
 
 def rank_names(dst):

@@ -7,6 +7,7 @@ reshard moves only the intersections (`path: full`: the baseline in `full`).
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from typing import Callable, Mapping
@@ -27,7 +28,8 @@ from reshard_cli.errors import ConfigError
 from reshard_cli.plan.fleet import fleet_figures, fleet_of
 from reshard_cli.plan.groups import resume_layer
 from reshard_cli.transfer.comm import refit_group
-from reshard_cli.transfer.live import Refit, RefitFailed
+from reshard_cli.transfer.live import Refit, RefitFailed, progress
+from reshard_cli.transfer.versions import held_by, label
 from reshard_cli.transfer.watchdog import GroupBroken
 
 _api = compat.transfer_api()
@@ -88,6 +90,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         self.version: str | None = None  # the last update's weight version (what a joining member catches up to)
         self._pending: list = []  # membership changes for the next update (rank 0): ("add" | "remove", client)
         self.events: list = []  # what happened to the membership, in order (the reports carry each update's)
+        self._telling: list = []  # threads telling members that did not answer what they hold (`_tell_later`)
         self._form(init_info, clients if self.is_sender else [])
         return self
 
@@ -96,7 +99,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         fleet: the layout's `dp` is theirs (`init_info.dst`)."""
         self.clients = clients
         self.info, self._fleet_figures = init_info, None
-        self._silent: set = set()  # engines the last failure named dead or stalled: not called again
+        self._silent: set = set()  # engines that did not answer when the last update failed: told on a thread
+        self._left_open: set = set()  # engines whose update session a previous trainer left open (handshake)
         trainer_size = dist.get_world_size() if dist.is_initialized() else 1
         src, dst = layouts(init_info.src, init_info.dst, trainer_size)
         trainer_size = src.size if src is not None else trainer_size
@@ -131,10 +135,10 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         except ConfigError as e:
             error = error or str(e)
         try:
-            domains = handshake(self.group, f"trainer {init_info.rank}",
-                                digest(src, None if src is not None or error else tensors), error,
-                                domain_key(init_info.topology, _device_of(tensors)))
-            topology = refit_topology(init_info.topology, domains)
+            agreed = handshake(self.group, f"trainer {init_info.rank}",
+                               digest(src, None if src is not None or error else tensors), error,
+                               domain_key(init_info.topology, _device_of(tensors)))
+            topology = refit_topology(init_info.topology, agreed.domains)
         except BaseException:
             for call in calls:
                 call.join(timeout=init_info.timeout, quiet=True)
@@ -143,11 +147,14 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         for call in calls:
             call.join(timeout=init_info.timeout)
         self.src, self.dst = src, dst
+        self._trainer_size = trainer_size
+        open_ranks = {r for r, is_open in enumerate(agreed.open_updates) if is_open}
+        self._left_open = {_engine_key(c) for c, ranks in zip(self.clients, self._member_ranks())
+                           if open_ranks & set(ranks)}
         self.refit = (Refit(role="src", src=src, dst=dst, mode=init_info.mode, topology=topology,
                             bucket_mb=init_info.bucket_mb, group=self.group,
                             stage_mb=stage_mb(init_info.stage_mb, dst), who=f"trainer {init_info.rank}")
                       if init_info.path == "reshard" else None)
-        self._trainer_size = trainer_size
 
     def fleet_figures(self) -> dict | None:
         """What one refit of the whole fleet moves beside one refit per replica and the full-tensor baseline
@@ -167,27 +174,41 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
 
     # ------------------------------------------------------------------------------------------ membership
 
-    def add(self, client) -> None:
+    def add(self, client, weight_version: str | None = None) -> None:
         """A member joins the fleet (rank 0 passes its client; every trainer rank calls it, the others with
-        None): it catches up at once, from the trainer's current weights and the last weight version, in a
-        refit of that member alone (the others keep serving, untouched), and is part of the fleet's refit from
-        the next update on. Collective over the trainer's ranks."""
-        share = self._share([free_port(), getattr(client, "replicas", None) or 1]
-                       if self.is_sender else None)
-        port, replicas = share
+        None): it catches up at once, from the trainer's current weights, in a refit of that member alone (the
+        others keep serving, untouched), and is part of the fleet's refit from the next update on. Collective
+        over the trainer's ranks. Its weight version is `weight_version`, the name of the weights it is sent;
+        without one, the last update's, which is right only while the trainer's weights are still that
+        update's: after an optimizer step since (a tensor changed in place) the call is refused before
+        anything moves."""
+        if weight_version is None:
+            changed = self._share(self._stepped() if self.is_sender else None)
+            if changed:
+                raise ConfigError(f"the trainer's weights changed since the last update ({self.version}): pass "
+                                  f"add(client, weight_version=...) naming the weights the new member is sent",
+                                  key="weight_version")
+            weight_version = self.version
+        port, replicas = self._share([free_port(), getattr(client, "replicas", None) or 1]
+                                     if self.is_sender else None)
         t0 = time.perf_counter()
         solo = type(self).trainer_init(
             replace(self.info, port=port, dst=fleet_layout(self._fleet_text, None, replicas)),
             client=[client] if self.is_sender else [None], source=self.source)
         try:
-            report = solo.send_weights(self.version)
+            report = solo.send_weights(weight_version)
         finally:
             solo.shutdown()
         if self.is_sender:
             self._pending.append(("add", client))
         self.events.append({"event": "added", "member": _name(client), "catch_up_seconds":
                             round(time.perf_counter() - t0, 3), "resent_bytes": report["wire_bytes"],
-                            "weight_version": self.version})
+                            "weight_version": weight_version})
+
+    def _stepped(self) -> bool:
+        """Whether any of this rank's tensors changed since the last update sent them (their in-place version
+        counters moved: an optimizer step)."""
+        return _versions(self._tensors()) != getattr(self, "_sent", None)
 
     def remove(self, client) -> None:
         """A member leaves the fleet at the next update (rank 0; the engine keeps what it holds)."""
@@ -238,6 +259,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         report["members"] = self._share([_name(c) for c in self.clients] if self.is_sender else None)
         report["seconds_with_membership"] = round(time.perf_counter() - t0, 3)
         self.version = report["weight_version"]
+        self._sent = _versions(self._tensors())  # what `add` compares with
         return report
 
     def _resume_point(self, failure: "UpdateFailed", gone: set) -> tuple[list, int | None]:
@@ -330,24 +352,27 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         ranks = set(ranks or ())
         if not ranks or any(r < self._trainer_size for r in ranks):
             return set()
+        return {i for i, mine in enumerate(self._member_ranks()) if ranks & set(mine)}
+
+    def _member_ranks(self) -> list[range]:
+        """Rank 0: each member's workers, as refit ranks (its replicas' ranks, after the trainer's)."""
         per = fleet_of(self.dst).per_replica
-        out, first = set(), 0
-        for i, c in enumerate(self.clients):
-            n = getattr(c, "replicas", None) or 1
-            lo, hi = self._trainer_size + first * per, self._trainer_size + (first + n) * per
-            if any(lo <= r < hi for r in ranks):
-                out.add(i)
+        out, first = [], self._trainer_size
+        for client in self.clients:
+            n = (getattr(client, "replicas", None) or 1) * per
+            out.append(range(first, first + n))
             first += n
         return out
 
     def _update(self, weight_version: str | None = None, *, started: bool = False,
                 resume_layer: int | None = None) -> dict:
-        """One refit into the engine; every worker's numbers and this rank's, as a dict (`started`: vLLM's
+        """One refit into the engines; every worker's numbers and this rank's, as a dict (`started`: vLLM's
         start_weight_update already called on every client; `resume_layer`: the engines hold what is outside
-        the decoder layers and the layers before it already, `Refit.__call__`). The engine's weight
-        version becomes `weight_version` when every group was committed; unchanged when none was; a partial
-        marker (`<version>+partial-<k>of<n>`) when a failure left the first k of n groups new. A failure raises
-        one line on every trainer rank, after the engine has been told to finish the update."""
+        the decoder layers and the layers before it already, `Refit.__call__`). Each engine's weight version
+        becomes `weight_version` when every group was committed, stays when none was, and otherwise says what
+        it holds (`transfer.versions.label`: partial, or mixed where its workers may differ). A failure raises
+        one line on every trainer rank, after every engine that answers has been told to finish the update
+        (labelled, paused per `on_partial`); one that does not answer is told when it does (`_tell_later`)."""
         if self.group is None:
             raise RuntimeError("reshard: the refit group was given up after a failure: trainer_init again")
         tensors = self._tensors()
@@ -358,90 +383,149 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             calls = [Call(c.update_weights, {"verify": self.info.verify, "resume_layer": resume_layer})
                      for c in self.clients]
         t0 = time.perf_counter()
-        failure: RefitFailed | None = None
-        everyone, mine = [], {"bytes_sent": 0, "checksums_ok": None}
-        try:
-            try:
-                mine = self._send(tensors, resume_layer)
-            except RefitFailed as e:  # the same line on every rank that saw it
-                failure = e
-            except GroupBroken as e:  # a rank died or stalled outside the groups (the full path)
-                failure = RefitFailed(str(e), [], [], broken=True, ranks=e.ranks)
-            if failure is None or not failure.broken:
-                try:  # every rank's numbers, the workers' after their update
-                    everyone = self.group.all_gather_object({"trainer": self.info.rank, **mine}, what=NUMBERS)
-                except GroupBroken as e:  # after the update: what it committed stays committed
-                    done = self.refit.groups if failure is None and self.refit is not None else \
-                        (failure.committed if failure is not None else [])
-                    failure = RefitFailed(f"{e} (after the update)", done, self.refit.groups if self.refit else [],
-                                          broken=True, ranks=e.ranks)
-        finally:
-            # members the failure names as dead or stalled are not waited for (a stopped server answers no call)
-            self._silent = ({_engine_key(self.clients[i]) for i in self._members_of(failure.ranks)}
-                            if failure is not None and failure.broken and self.is_sender
-                            and self.info.on_member_fault == "drop" else set())
-            for call, client in zip(calls, self.clients):
-                try:
-                    call.join(timeout=0.5 if _engine_key(client) in self._silent else self.info.timeout)
-                except RuntimeError:
-                    pass  # the workers' own error, gathered above, says more (or the engine never answered)
+        failure, everyone, mine = self._run(tensors, resume_layer)
+        late = self._join(calls, failure) if self.is_sender else set()
         seconds = time.perf_counter() - t0
         workers = [s for s in everyone if s is not None and "worker" in s]
         trainers = [s for s in everyone if s is not None and "trainer" in s]
         failed = next((w for w in workers if w["error"]), None)
-        held = self.refit.held() if self.refit is not None else {}  # what each worker recorded it committed
-        if failure is not None and held:  # the version says what every worker holds: the fewest groups
-            failure.held = held
+        held = failure.held if failure is not None else self.refit.held() if self.refit is not None else {}
+        states = self._states(failure, late) if failure is not None and self.is_sender else {}
+        if failure is not None and held:  # what every worker holds, as each recorded it (the same on every rank)
             failure.committed = failure.groups[:min(held.values())]
-        version = weight_version
-        landed = failure is not None and failure.groups and len(failure.committed) == len(failure.groups)
-        if failure is not None and not landed:  # unchanged, or the partial marker
-            version = (None if not failure.partial else
-                       f"{weight_version or 'update'}+partial-{len(failure.committed)}of{len(failure.groups)}")
-        paused = False
-        if self.is_sender:
-            changed = failure is None or failure.partial
-            for client in self._answering():
-                self._finish_update(client, version, failure is None and failed is None, changed=changed)
-            paused = self._pause_or_resume(partial=failure is not None and failure.partial and not landed,
-                                           complete=failure is None and failed is None)
+        labels = {i: weight_version if failure is None else label(weight_version, h) for i, h in
+                  (states.items() if failure is not None else enumerate(self.clients))}
+        paused = self._tell(calls, labels, states, late, complete=failure is None and failed is None) \
+            if self.is_sender else False
         if failure is not None:
             if failure.broken:  # the group is given up: the next refit needs a new trainer_init
                 self.shutdown()
-            note = ("; the engine is paused until a complete refit lands (on_partial: serve keeps it serving)"
-                    if paused else "")
-            raise UpdateFailed(f"reshard: {failure}{note}", failure) from None
+            raise UpdateFailed(self._failure_line(failure, paused), failure) from None
         if failed:
             raise RuntimeError(f"reshard: refit rank {failed['worker']} (vLLM worker): {failed['error']}")
         return {"seconds": seconds, "trainer": mine, "trainers": trainers, "workers": workers,
-                "weight_version": version, "held": held, **fleet_report(trainers, workers),
+                "weight_version": weight_version, "held": held, **fleet_report(trainers, workers),
                 "fleet": self.fleet_figures() if self.is_sender else None}
 
-    def _pause_or_resume(self, *, partial: bool, complete: bool) -> bool:
-        """After an update that left the engines on a mix of two steps: pause their generation (vLLM's pause
-        route, requests kept queued) unless `on_partial: serve`; after a complete one: resume what this
-        engine paused (a failure that committed nothing leaves them as they were: still a mix). Whether the
-        engines are paused now."""
-        if partial and self.info.on_partial == "pause":
-            for client in self._answering():
-                if _engine_key(client) not in _PAUSED and _quietly(control, client, "pause", "mode=keep"):
-                    _PAUSED.add(_engine_key(client))
-        elif complete:
-            for client in self.clients:
-                if _engine_key(client) in _PAUSED:
-                    _quietly(control, client, "resume")
-                    _PAUSED.discard(_engine_key(client))
+    def _run(self, tensors, resume_layer: int | None) -> tuple:
+        """This rank's part of the update, then every rank's numbers: (the failure or None, the numbers, this
+        rank's)."""
+        failure: RefitFailed | None = None
+        everyone, mine = [], {"bytes_sent": 0, "checksums_ok": None}
+        try:
+            mine = self._send(tensors, resume_layer)
+        except RefitFailed as e:  # the same line on every rank that saw it
+            failure = e
+        except GroupBroken as e:  # a rank died or stalled outside the groups (the full path)
+            failure = RefitFailed(str(e), [], [], broken=True, ranks=e.ranks)
+        if failure is None or not failure.broken:
+            try:  # every rank's numbers, the workers' after their update
+                everyone = self.group.all_gather_object({"trainer": self.info.rank, **mine}, what=NUMBERS)
+            except GroupBroken as e:  # after the update: what it committed stays committed
+                groups = self.refit.groups if self.refit is not None else []
+                done = groups if failure is None else failure.committed
+                failure = RefitFailed(f"{e} (after the update)", done, groups, broken=True, ranks=e.ranks,
+                                      line=f"{e} (after the update)")
+        if failure is not None and self.refit is not None:
+            failure.held, failure.torn = self.refit.held(), self.refit.torn()
+        return failure, everyone, mine
+
+    def _join(self, calls: list, failure: RefitFailed | None) -> set:
+        """Wait for the members' update calls (rank 0); the members whose call has not returned: those a broken
+        group's line names are given a few seconds (a stopped server answers no call), the others the group's
+        timeout. They are told what they hold when they answer (`_tell_later`), not called meanwhile."""
+        named = self._members_of(failure.ranks) if failure is not None and failure.broken else set()
+        for i, call in enumerate(calls):
+            call.join(timeout=min(5.0, self.info.timeout) if i in named else self.info.timeout, quiet=True)
+        late = {i for i, call in enumerate(calls) if call.thread.is_alive()}
+        self._silent = {_engine_key(self.clients[i]) for i in late}
+        return late
+
+    def _states(self, failure: RefitFailed, late: set) -> dict:
+        """Rank 0, after a failure: what each member holds (`transfer.versions.Held`) from what its workers
+        recorded; a member that did not answer may have committed up to the last group whose agreement passed
+        (this rank's failing group: it took part in every agreement)."""
+        n, upto = len(failure.groups), len(failure.committed)
+        return {i: held_by(list(ranks), failure.held, failure.torn, n, upto=upto if i in late else None)
+                for i, ranks in enumerate(self._member_ranks())}
+
+    def _failure_line(self, failure: RefitFailed, paused: bool) -> str:
+        """The line every trainer rank raises (from what every worker recorded, the same on each): what failed,
+        then what the engines hold."""
+        if not failure.torn and len(set(failure.held.values())) <= 1:
+            where = progress(failure.groups, len(failure.committed))
+        else:
+            names = rank_names(self.dst)
+            held = [f"{names(r)} {failure.held.get(r, 0)}" + (" and part of the next" if r in failure.torn else "")
+                    for r in sorted(failure.held)]
+            where = (f"the engines hold different groups of {len(failure.groups)} ({', '.join(held)}); each "
+                     f"engine's weight version says what it holds; the next refit repairs it")
+        note = ("; the engine is paused until a complete refit lands (on_partial: serve keeps it serving)"
+                if paused else "")
+        return f"reshard: {failure.line}; {where}{note}"
+
+    def _tell(self, calls: list, labels: dict, states: dict, late: set, *, complete: bool) -> bool:
+        """Rank 0: every member that answered finishes the update, labelled with what it holds (its prefix cache
+        dropped if anything changed), paused after a partial one (`on_partial: pause`) or resumed after a
+        complete one; the others are told when they answer. Whether any member is paused now."""
+        for i, client in enumerate(self.clients):
+            held = states.get(i)
+            partial = held is not None and held.partial
+            if i in late:
+                self._tell_later(client, calls[i], labels.get(i), partial=partial)
+                continue
+            self._finish_update(client, labels.get(i), changed=complete or (held is not None and held.hi > 0))
+            self._pause_or_resume(client, partial=partial, complete=complete)
         return any(_engine_key(c) in _PAUSED for c in self.clients)
 
-    def _finish_update(self, client, version: str | None, ok: bool, *, changed: bool) -> None:
-        """The engine's finish_weight_update, and what a changed model needs: the new weight version, and the
-        prefix cache dropped (the KV of earlier prompts was computed with the old weights, and vLLM does not
-        drop it on a weight update). After a failure vLLM has already ended the update on the worker that
-        reported it, so its finish is expected to fail there; the version is then set on its own."""
-        if ok:
+    def _tell_later(self, client, call: Call, version: str | None, *, partial: bool) -> None:
+        """A member that did not answer when the update failed (a stopped server, a worker still busy): on a
+        thread of its own, once its update call returns (within the group's timeout), it is told as the others
+        were: finished, labelled, paused per `on_partial`, and its transfer engine shut down (its group is
+        gone). One that never answers keeps its session open: a later `trainer_init` (or `add`) finds it open
+        in the handshake and finishes it first. `settle()` waits for these."""
+        def tell():
+            call.join(timeout=self.info.timeout, quiet=True)
+            if call.thread.is_alive():
+                self.events.append({"event": "not told", "member": _name(client),
+                                    "why": f"no answer within {self.info.timeout:.0f} s"})
+                return
+            _quietly(self._finish_update, client, version, changed=version is not None)
+            _quietly(self._pause_or_resume, client, partial=partial, complete=False)
+            _quietly(control, client, "shutdown_weight_transfer_engine")
+            self.events.append({"event": "told", "member": _name(client), "weight_version": version,
+                                "paused": _engine_key(client) in _PAUSED})
+        thread = threading.Thread(target=tell, daemon=True, name=f"reshard-tell-{_name(client)}")
+        thread.start()
+        self._telling.append(thread)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait for the members being told after a failure (`_tell_later`); whether all were."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in list(getattr(self, "_telling", ())):
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in getattr(self, "_telling", ()))
+
+    def _pause_or_resume(self, client, *, partial: bool, complete: bool) -> None:
+        """After an update that left an engine on a mix of two steps: pause its generation (vLLM's pause route,
+        requests kept queued) unless `on_partial: serve`; after a complete one: resume it if reshard paused it
+        (a failure that committed nothing leaves it as it was: still a mix)."""
+        key = _engine_key(client)
+        if partial and self.info.on_partial == "pause":
+            if key not in _PAUSED and _quietly(control, client, "pause", "mode=keep"):
+                _PAUSED.add(key)
+        elif complete and key in _PAUSED:
+            _quietly(control, client, "resume")
+            _PAUSED.discard(key)
+
+    def _finish_update(self, client, version: str | None, *, changed: bool) -> None:
+        """The engine's finish_weight_update with its new weight version (None: unchanged), and what a changed
+        model needs: the prefix cache dropped (the KV of earlier prompts was computed with the old weights, and
+        vLLM does not drop it on a weight update). Every worker's session is open until here (the workers never
+        end it themselves); an engine that refuses the finish anyway gets the version on its own."""
+        try:
             client.finish_weight_update(version)
-        else:
-            _quietly(client.finish_weight_update, None)
+        except Exception:  # noqa: BLE001 - vLLM's RuntimeError, or an HTTP error carrying it
             setter = getattr(client, "update_weight_version", None)
             if version is not None and setter is not None:
                 setter(version)
@@ -449,9 +533,13 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             control(client, "reset_prefix_cache")
 
     def _start_update(self, client) -> None:
-        """The engine's start_weight_update. An update left open (a trainer that died before finishing it, a
-        failure vLLM ended on some workers only) is finished first: vLLM refuses to start one while another
-        is active."""
+        """The engine's start_weight_update. A session the handshake found open (a trainer that died before
+        finishing its update) is finished first: vLLM refuses to start one while another is open, on every
+        worker, and its replies would then pair with the next call's."""
+        key = _engine_key(client)
+        if key in self._left_open:
+            self._left_open.discard(key)
+            _quietly(client.finish_weight_update, None)
         try:
             client.start_weight_update()
         except Exception:  # noqa: BLE001 - vLLM's RuntimeError, or an HTTP 500 carrying it
@@ -549,13 +637,20 @@ def _engine_key(client):
     return getattr(client, "base_url", None) or id(client)
 
 
-def _quietly(fn, *args):
+def _quietly(fn, *args, **kwargs):
     """A control-plane call whose failure is expected and says nothing new (a finish where vLLM already ended
     the update); its result, None after a failure."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception:  # noqa: BLE001
         return None
+
+
+def _versions(tensors: Mapping[str, torch.Tensor]) -> dict:
+    """Each tensor's in-place version counters (a DTensor's own, which an optimizer step on it moves, and its
+    local shard's, which an in-place change of the shard moves)."""
+    return {n: (x._version, x._local_tensor._version) if isinstance(x, DTensor) else x._version
+            for n, x in tensors.items()}
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:

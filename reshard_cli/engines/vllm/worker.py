@@ -19,13 +19,21 @@ Per update:
               which groups were committed.
   finish      nothing left to do (a group never stays open past its update).
 
-A failed update is reported to vLLM by one worker only (the executor's last), the others return it as their
-numbers: vLLM 0.32's `collective_rpc` raises on the first failed reply it reads and leaves the later replies
-queued for the next call, which would answer the next refit with this one's replies. `path: full` runs the
-baseline instead (`full`).
+Calls and replies stay paired. vLLM 0.32's `collective_rpc` raises on the first failed reply it reads and
+leaves the later replies queued, to be read as the next call's; and vLLM's worker itself refuses a start while
+its update session is open, a finish or a shutdown while it is not. So:
+  - an update never raises to vLLM: its failure (the same line on every rank that saw it) travels to the
+    trainer in the update's numbers and through the refit group, and every worker's session stays open until
+    the trainer's finish closes all of them alike;
+  - a call this engine refuses (an update before an init) is refused by one worker only, the executor's last,
+    whose reply vLLM reads last; the others return;
+  - each worker knows whether vLLM's session is open on it (`update_open`) and says so in the handshake, so a
+    trainer that finds one left open (its predecessor died mid-update) finishes it before it starts its own.
+`path: full` runs the baseline instead (`full`).
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch.distributed as dist
@@ -41,6 +49,8 @@ from reshard_cli.transfer.comm import abort_group, refit_group
 from reshard_cli.transfer.live import Refit, RefitFailed
 from reshard_cli.transfer.watchdog import GroupBroken
 
+_log = logging.getLogger("reshard")
+
 
 class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
     init_info_cls = ReshardInitInfo
@@ -55,6 +65,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self.local = local
         self.role = f"vLLM worker {self.worker}"
         self.reporter = _reports_failures(self.parallel_config, local)
+        self.update_open = getattr(self, "update_open", False)  # vLLM's update session on this worker
         try:
             self._init(init_info)
         except ValueError:
@@ -79,8 +90,9 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         except ReshardError as e:
             raise ValueError(f"reshard: {self.role}: {e}") from None
         try:
-            domains = handshake(group, self.role, digest(dst), error, domain_key(init_info.topology, self.device))
-            topology = refit_topology(init_info.topology, domains)
+            agreed = handshake(group, self.role, digest(dst), error, domain_key(init_info.topology, self.device),
+                               open_update=self.update_open)
+            topology = refit_topology(init_info.topology, agreed.domains)
         except ReshardError as e:
             group.close()
             raise ValueError(f"reshard: {e}") from None
@@ -117,7 +129,9 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         return src, dst, error, misplaced
 
     def start_weight_update(self) -> None:
-        self._ready()
+        self.update_open = True  # vLLM opens its session on this worker when this returns
+        if not self._ready():
+            return
         if self.path == "full":
             compat.begin_reload(self.model)
         elif self.target is not None:
@@ -125,9 +139,11 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self.updated = False
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
-        self._ready()
+        if not self._ready():
+            return
         if self.updated:
-            raise RuntimeError("reshard: one update_weights per start_weight_update (it moves every tensor)")
+            self._refuse("one update_weights per start_weight_update (it moves every tensor)")
+            return
         t0 = time.perf_counter()
         stats = {"worker": self.refit_rank, "replica": self.replica, "error": None}
         broken = False
@@ -142,6 +158,11 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
                 self.target.abort()
             what = str(e) if isinstance(e, GroupBroken) else \
                 f"refit rank {self.refit_rank} ({self.role}): {type(e).__name__}: {e}"
+            if not isinstance(e, GroupBroken):  # told to every peer, which would otherwise wait for its bytes
+                try:
+                    self.group.fail(what, (self.refit_rank,))
+                except GroupBroken:
+                    pass
             stats["error"] = f"{what}; the open group keeps its previous weights"
             broken = True
         stats["seconds"] = time.perf_counter() - t0
@@ -157,8 +178,8 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             self.group.close()
             self.group = None
             stats["error"] += "; init the transfer engine again before the next update"
-        if stats["error"] and self.reporter:
-            raise RuntimeError(f"reshard: {stats['error']}")
+        if stats["error"]:  # the trainer raises it; vLLM's session stays open until its finish (see above)
+            _log.warning("reshard: %s: %s", self.role, stats["error"])
 
     def _receive(self, update_info: ReshardUpdateInfo) -> dict:
         """One update's bytes into the model; this worker's numbers."""
@@ -192,6 +213,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
     def finish_weight_update(self) -> None:
         """Ends the update on vLLM's side too, so it always succeeds: also after a failure that gave the
         group up (vLLM refuses the next start until a finish)."""
+        self.update_open = False
         if getattr(self, "path", None) == "full":
             compat.finish_reload(self.model, self.model_config)
             for module in self.model.modules():  # vLLM's own update path needs the same repair
@@ -199,9 +221,19 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         elif getattr(self, "target", None) is not None:
             self.target.abort()  # nothing open after an update; a start without an update leaves nothing either
 
-    def _ready(self) -> None:
+    def _ready(self) -> bool:
+        """Whether the engine can take an update call; otherwise the call is refused (`_refuse`)."""
         if getattr(self, "group", None) is None:
-            raise RuntimeError("reshard: init_weight_transfer_engine first")
+            self._refuse("init_weight_transfer_engine first")
+            return False
+        return True
+
+    def _refuse(self, why: str) -> None:
+        """Refuse the call in one line, from the executor's last worker only (the others return: see the module
+        docstring); vLLM then ends its session on that worker, which the trainer's finish settles."""
+        if self.reporter:
+            self.update_open = False
+            raise RuntimeError(f"reshard: {self.role}: {why}")
 
     def shutdown(self) -> None:
         if getattr(self, "group", None) is not None:

@@ -21,7 +21,7 @@ from reshard_cli.hw import nvml
 from reshard_cli.plan.cost import plan_prediction, with_auto_routes
 from reshard_cli.plan.groups import stage_groups, staging
 from reshard_cli.plan.fleet import fleet_figures, fleet_of, loss_figures
-from reshard_cli.plan.fp8 import fp8_figures
+from reshard_cli.plan.fp8 import fp8_figures, on_wire
 from reshard_cli.plan.planner import Plan, no_gc
 from reshard_cli.report import plan_text, write_pieces
 from reshard_cli.transfer import dryrun
@@ -93,7 +93,7 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
         dt = time.perf_counter() - t1
         names = p.src.manifest.tensors
         rows = [[names[pc.tensor].name, pc.src, pc.dst, str(pc.box), "fwd" if pc.phase else "net",
-                 fmt_bytes(pc.box.numel * names[pc.tensor].itemsize)] for pc in view.pieces]
+                 fmt_bytes(_piece_bytes(p, pc))] for pc in view.pieces]
         typer.echo(f"rank {rank}: {len(view.pieces)} pieces, {len(view.bcasts)} broadcasts (planned in {dt * 1e3:.1f} ms)")
         if rows:
             typer.echo(table(["tensor", "src", "dst", "box", "phase", "bytes"], rows[:200]))
@@ -109,7 +109,7 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
         return
     t1 = time.perf_counter()
     p = with_auto_routes(p)  # mode auto: the cost model chooses each class's route
-    stats = p.stats()
+    stats = on_wire(p)  # into a block-FP8 engine: the bytes that travel, the source dtype's as bf16_<key>
     stats["plan_seconds"] = time.perf_counter() - t1  # planning, auto's choice included
     stats["layout_seconds"] = t_layout
     trainer, engine = formats.summary(p.src), formats.summary(p.dst)
@@ -155,6 +155,11 @@ def _replicated(src, dst, replicas: int, scale: int):
         raise ConfigError(f"{dst.name} as {replicas} replica(s) reads as {got.replicas} replica(s) of "
                           f"{got.per_replica} ranks", key="--replicas")
     return out
+
+
+def _piece_bytes(p, pc) -> int:
+    """A piece's bytes as they travel (into a block-FP8 engine: FP8 and scales of its whole blocks)."""
+    return sum(p.wire.payload(pc.tensor, b) for b in p.wire.parts(pc.tensor, pc.box))
 
 
 def _piece_json(p, pc) -> dict:

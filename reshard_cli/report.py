@@ -22,6 +22,7 @@ def plan_text(s: dict) -> str:
         f"  network wire  {fmt_bytes(s['wire_bytes'])}   minimum {fmt_bytes(s['min_wire_bytes'])}"
         f" ({_ratio(s['wire_bytes'], s['min_wire_bytes'])} of it)   gather->broadcast "
         f"{fmt_bytes(s['broadcast_wire_bytes'])} ({_ratio(s['broadcast_wire_bytes'], s['wire_bytes'])} of this plan)",
+        *_on_wire_lines(s),
         f"  in-domain     {fmt_bytes(s['indomain_bytes'])} (forwarded between destination ranks "
         f"{fmt_bytes(s['forwarded_bytes'])})",
         f"  pieces        {s['pieces']} ({s['classes']} tensor classes planned once each)",
@@ -40,6 +41,15 @@ def plan_text(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _on_wire_lines(s: dict) -> list[str]:
+    """Into a block-FP8 engine (`plan.fp8.on_wire`): what the figures above and below weigh."""
+    if "bf16_wire_bytes" not in s:
+        return []
+    return [f"                bytes as they travel: FP8 and scales where the senders quantize, BF16 elsewhere "
+            f"(the same pieces all in BF16 {fmt_bytes(s['bf16_wire_bytes'])}, minimum "
+            f"{fmt_bytes(s['bf16_min_wire_bytes'])}); gather->broadcast sends BF16 full tensors, the engine quantizes"]
+
+
 def _fp8_lines(f: dict | None) -> list[str]:
     """An FP8 engine (`plan.fp8`): where its blocks are quantized, and the wire beside a BF16 refit's."""
     if not f:
@@ -48,9 +58,9 @@ def _fp8_lines(f: dict | None) -> list[str]:
              f"({fmt_count(f['quantized_params'])} params, scales {fmt_bytes(f['scale_bytes'])}), "
              f"{pct(f['sender_share'], 1)} of them on the sender",
              f"  fp8 wire      {fmt_bytes(f['wire_bytes'])} = {fmt_bytes(f['sender_quantized_bytes'])} FP8 quantized by "
-             f"the senders + {fmt_bytes(f['receiver_quantized_bytes'])} BF16 of blocks cut by source shards + "
-             f"{fmt_bytes(f['unquantized_bytes'])} unquantized; {f['wire_ratio']:.2f}x a BF16 refit's "
-             f"{fmt_bytes(f['bf16_wire_bytes'])}"]
+             f"the senders + {fmt_bytes(f['receiver_quantized_bytes'])} BF16 quantized by the workers + "
+             f"{fmt_bytes(f['unquantized_bytes'])} unquantized; {f['wire_ratio']:.2f}x the same pieces in BF16 "
+             f"({fmt_bytes(f['bf16_wire_bytes'])})"]
     cut = [(k, v) for k, v in f["by_kind"].items() if v["sender_share"] < 1]
     if cut:
         lines.append("  fp8 receiver  " + ", ".join(f"{k} ({pct(1 - v['sender_share'], 1)} of it)" for k, v in cut[:4])

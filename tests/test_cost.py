@@ -24,6 +24,7 @@ BUNDLED = [
     ("layouts/deepseek-v3/megatron-pp16-ep16.yaml", "layouts/deepseek-v3/vllm-tp32-dp8.yaml"),
     ("layouts/kimi-k2/megatron-pp16-ep16.yaml", "layouts/kimi-k2/vllm-tp16-dp8.yaml"),
     ("layouts/moe-2.4t/megatron-pp16-ep32.yaml", "layouts/moe-2.4t/vllm-tp16-dp16.yaml"),
+    ("layouts/deepseek-v3/megatron-pp16-ep16.yaml", "layouts/deepseek-v3/vllm-tp16-dp16-fp8.yaml"),  # FP8 wire
 ]
 TOPOLOGIES = ["layouts/topologies/dgx-h100.yaml", "layouts/topologies/gb200-nvl72.yaml"]
 DEEPSEEK = BUNDLED[3]
@@ -165,7 +166,7 @@ def _predicted(pair, topology):
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=["dgx-h100", "gb200-nvl72"])
-@pytest.mark.parametrize("pair", BUNDLED, ids=lambda p: p[0].split("/")[-2])
+@pytest.mark.parametrize("pair", BUNDLED, ids=lambda p: p[1].split("/")[-2] + ("-fp8" if "fp8" in p[1] else ""))
 def test_lower_bound_below_every_mode(pair, topology):
     pred = _predicted(pair, topology)
     for m, c in pred.modes.items():
@@ -175,7 +176,7 @@ def test_lower_bound_below_every_mode(pair, topology):
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=["dgx-h100", "gb200-nvl72"])
-@pytest.mark.parametrize("pair", BUNDLED, ids=lambda p: p[0].split("/")[-2])
+@pytest.mark.parametrize("pair", BUNDLED, ids=lambda p: p[1].split("/")[-2] + ("-fp8" if "fp8" in p[1] else ""))
 def test_auto_never_slower_than_a_fixed_mode(pair, topology):
     """Mode auto's predicted seconds against the fixed modes' on every bundled pair and topology."""
     pred = _predicted(pair, topology)

@@ -8,6 +8,7 @@ from reshard_cli.formats import load_layout, load_pair, with_replicas
 from reshard_cli.layouts.topology import Topology
 from reshard_cli.plan.cost import with_auto_routes
 from reshard_cli.plan.fleet import Fleet, fleet_figures, fleet_of, loss_figures, separate_topology
+from reshard_cli.plan.fp8 import wire_of
 from reshard_cli.plan.groups import stage_groups
 from reshard_cli.plan.planner import Plan
 
@@ -83,14 +84,20 @@ LAYERS4 = CONFIG.replace('"num_hidden_layers": 2', '"num_hidden_layers": 4')
 TRAIN_DP = "model: config.json\nmesh: {dp: 2, fsdp: 2}\nplacements:\n  - {match: '.', shard: {fsdp: 0}}\n"
 
 
-def _fleet_files(tmp_path, replicas: int, stage_mb: float = 0.3):
+FP8_LAYERS4 = LAYERS4[:-1] + ', "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", ' \
+    '"activation_scheme": "dynamic", "weight_block_size": [128, 128]}}'
+
+
+def _fleet_files(tmp_path, replicas: int, stage_mb: float = 0.3, fp8: bool = False):
     """A 4-layer model from a dp2 x fsdp2 trainer into `replicas` TP2 replicas, written out by hand: small
-    staging groups (a layer or two each)."""
-    (tmp_path / "config.json").write_text(LAYERS4)
+    staging groups (a layer or two each). `fp8`: into block-FP8 TP1 replicas (FSDP's 128-row halves of the
+    256-row projections hold whole blocks, its 64-row halves of k/v_proj cut them)."""
+    (tmp_path / "config.json").write_text(FP8_LAYERS4 if fp8 else LAYERS4)
     (tmp_path / "train.yaml").write_text(TRAIN_DP)
     infer = tmp_path / f"infer-dp{replicas}.yaml"
-    infer.write_text(f"model: config.json\nformat: vllm\nmesh: {{dp: {replicas}, tp: 2}}\n"
-                     f"engine: {{stage_mb: {stage_mb}}}\n")
+    engine = f"{{stage_mb: {stage_mb}, quantization: fp8}}" if fp8 else f"{{stage_mb: {stage_mb}}}"
+    infer.write_text(f"model: config.json\nformat: vllm\nmesh: {{dp: {replicas}, tp: {1 if fp8 else 2}}}\n"
+                     f"engine: {engine}\n")
     return tmp_path / "train.yaml", infer
 
 
@@ -130,13 +137,18 @@ def test_with_replicas_refuses_a_layout_whose_replica_is_unclear(tmp_path):
         with_replicas(dst, 0)
 
 
+def _wire(plan) -> int:
+    """The plan's network bytes as they travel (into a block-FP8 engine, FP8 where the senders quantize)."""
+    return plan.stats(wire=wire_of(plan))["wire_bytes"]
+
+
 def _truth(src, survivors, groups, topology, mode) -> list[int]:
     """Ground truth: each of the survivors' staging groups planned on its own into them (the planner on the two
     layouts' subsets, as a refit in groups builds its parts); lost in the fleet's group g, the survivors are
     sent their groups from the first one holding a tensor the fleet's groups 0..g-1 did not commit."""
     mine = stage_groups(survivors)
-    wires = [with_auto_routes(Plan(src.subset(g.tensors), survivors.subset(g.tensors), topology, mode=mode))
-             .stats()["wire_bytes"] for g in mine]
+    wires = [_wire(with_auto_routes(Plan(src.subset(g.tensors), survivors.subset(g.tensors), topology, mode=mode)))
+             for g in mine]
     out = []
     for g in range(len(groups)):
         committed = {t for done in groups[:g] for t in done.tensors}
@@ -168,7 +180,7 @@ def test_losing_a_replica_resends_what_the_survivors_plans_send(tmp_path, mode, 
     assert loss["resent_bytes_first_group"] == truth[0] and loss["resent_bytes_last_group"] == truth[-1]
     assert loss["resent_bytes_mean"] == pytest.approx(sum(truth) / len(truth))
     assert loss["groups"] == len(groups) and loss["replicas_after"] == 2
-    whole = with_auto_routes(Plan(src, survivors, topo, mode=mode)).stats()["wire_bytes"]
+    whole = _wire(with_auto_routes(Plan(src, survivors, topo, mode=mode)))
     assert loss["survivors_wire_bytes"] == whole
     assert truth[0] > truth[-1] > 0
     if links:  # the cost model chooses each group's routes from that group's traffic: here not as for the whole
@@ -178,6 +190,33 @@ def test_losing_a_replica_resends_what_the_survivors_plans_send(tmp_path, mode, 
             [g.tensors for g in groups]) != own
     if mode == "broadcast":  # a broadcast's root follows its place in its group's plan, not in the whole
         assert truth[0] != whole  # model's: in groups, the survivors are sent another amount than in one piece
+
+
+@pytest.mark.parametrize("mode,links", [("reshard", {}), ("hybrid", {}), ("auto", LINKS)])
+def test_an_fp8_fleet_weighs_the_bytes_that_travel(tmp_path, mode, links):
+    """Into block-FP8 replicas the fleet's and the survivors' figures are the FP8 wire's (`plan.fp8.on_wire`),
+    each against the planner itself; only the gather->broadcast baseline stays in BF16."""
+    from reshard_cli.plan.fp8 import on_wire
+
+    train, infer3 = _fleet_files(tmp_path, 3, fp8=True)
+    _train, infer2 = _fleet_files(tmp_path, 2, fp8=True)
+    src, dst3 = load_pair(train, infer3)
+    survivors = load_pair(train, infer2)[1]
+    topo = Topology(name="mixed", domains=((0, 1, 4), (2, 3), (5,), (6,)), links=links)
+    plan = with_auto_routes(Plan(src, dst3, topo, mode=mode))
+    assert wire_of(plan) is not None
+    stats = on_wire(plan)
+    figures = fleet_figures(plan, fleet_of(dst3))
+    assert figures["wire_bytes"] == stats["wire_bytes"] < stats["bf16_wire_bytes"]
+    assert figures["min_wire_bytes"] == stats["min_wire_bytes"] < stats["bf16_min_wire_bytes"]
+    assert figures["broadcast_wire_bytes"] == plan.stats()["broadcast_wire_bytes"]
+    alone = with_auto_routes(Plan(src, dst3, separate_topology(topo, dst3, fleet_of(dst3)), mode=mode))
+    assert figures["separate_refits_wire_bytes"] == _wire(alone)
+    groups = stage_groups(dst3)
+    loss = loss_figures(plan, with_replicas(dst3, 2, after=src), groups, stage_groups(survivors))
+    assert loss["resent_bytes_by_group"] == _truth(src, survivors, groups, topo, mode)
+    whole = with_auto_routes(Plan(src, survivors, topo, mode=mode))
+    assert loss["survivors_wire_bytes"] == _wire(whole) < whole.stats()["wire_bytes"]
 
 
 def test_group_wire_bytes_of_every_tensor_is_the_plans_wire(tmp_path):

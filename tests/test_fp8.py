@@ -309,6 +309,35 @@ def test_a_layout_with_both_kinds_of_blocks(vllm_eager):
 # ------------------------------------------------------------------------------------------- per tensor
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_parts_of_a_block_quantize_to_its_bits(seed):
+    """A block split between holders: each part's max |x| (`region_amax`), merged, gives the block's scale
+    (`block_scales`), and each part quantized with it (`quantize_part`) is the full tensor's FP8 bytes there,
+    bit for bit; ragged blocks, leading dims (stacked experts) and blocks of zeros included."""
+    rng = random.Random(seed)
+    for it in range(60):
+        shape = (rng.randint(1, 3), rng.randint(1, 400), rng.randint(1, 400)) if it % 2 else \
+            (rng.randint(1, 400), rng.randint(1, 400))
+        x = (torch.randn(shape) * rng.choice([1e-6, 1.0, 100.0])).to(torch.bfloat16)
+        x[..., :rng.randint(0, 130), :] = 0
+        q, scale = quantize_blocks(x)
+        (m, n), lead = shape[-2:], (0,) * (len(shape) - 2)
+        rows, cols = sorted({0, m, rng.randint(0, m)}), sorted({0, n, rng.randint(0, n)})
+        parts = [Box((*lead, r0, c0), (*shape[:-2], r1 - r0, c1 - c0)) for r0, r1 in zip(rows, rows[1:])
+                 for c0, c1 in zip(cols, cols[1:])]
+        amax = torch.full(blocks_of(shape), -float("inf"))
+        for p in parts:
+            a = fp8.region_amax(x[p.slices()], p.offsets)
+            at = amax[..., p.offsets[-2] // 128:, p.offsets[-1] // 128:][..., :a.shape[-2], :a.shape[-1]]
+            at.copy_(torch.maximum(at, a))
+        assert torch.equal(fp8.block_scales(amax).view(torch.int32), scale.view(torch.int32)), (shape, it)
+        for p in parts:
+            a = amax[..., p.offsets[-2] // 128:, p.offsets[-1] // 128:][
+                ..., :-(-(p.offsets[-2] % 128 + p.sizes[-2]) // 128), :-(-(p.offsets[-1] % 128 + p.sizes[-1]) // 128)]
+            got = fp8.quantize_part(x[p.slices()], p.offsets, a)
+            assert torch.equal(got.view(torch.uint8), q[p.slices()].view(torch.uint8)), (shape, p)
+
+
 def test_per_tensor_scale_equals_vllm():
     """The scale is vLLM's own torch code (online fp8_per_tensor: weight_amax, then _fp8_scale)."""
     online = pytest.importorskip("vllm.model_executor.layers.quantization.online.fp8", reason="vLLM")

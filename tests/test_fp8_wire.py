@@ -65,6 +65,29 @@ def test_parts_and_grid_splits_keep_blocks_whole():
             assert all(whole_blocks(s.offsets, s.sizes, full, (128, 128)) for s in grid_split(inner, k, full))
 
 
+def _shards(rank, plan, ref):
+    """This rank's source shards of the reference tensors, and its destination buffers, every byte a sentinel
+    (a block-FP8 weight's FP8 storage and scales too)."""
+    from reshard_cli.base.blocks import blocks_of
+    from reshard_cli.transfer.shards import LocalShard
+
+    src_shards, dst_shards = {}, {}
+    for t, spec in enumerate(plan.src.manifest.tensors):
+        if rank in plan.src.placements[t].holder_set:
+            box = plan.src.placements[t].box_of(spec.shape, rank)
+            src_shards[t] = LocalShard(box, ref[t][box.slices()].clone())
+        if rank in plan.dst.placements[t].holder_set:
+            box = plan.dst.placements[t].box_of(spec.shape, rank)
+            data = torch.empty(box.sizes, dtype=ref[t].dtype)
+            data.view(torch.uint8).fill_(SENTINEL)
+            fp8 = scale = None
+            if t in plan.wire.quantized:
+                fp8 = torch.full(box.sizes, SENTINEL, dtype=torch.uint8).view(torch.float8_e4m3fn)
+                scale = torch.full(blocks_of(box.sizes), -1.0)
+            dst_shards[t] = LocalShard(box, data, fp8, scale)
+    return src_shards, dst_shards
+
+
 def _refit(rank, world, src_path, dst_path, cases, bucket_bytes):
     from reshard_cli.formats import load_pair
     from reshard_cli.layouts.topology import Topology
@@ -72,8 +95,6 @@ def _refit(rank, world, src_path, dst_path, cases, bucket_bytes):
     from reshard_cli.plan.schedule import TransferOptions
     from reshard_cli.transfer import verify
     from reshard_cli.transfer.engine import Engine
-    from reshard_cli.transfer.shards import LocalShard
-    from reshard_cli.base.blocks import blocks_of
 
     src, dst = load_pair(src_path, dst_path)
     ref = _reference(src.manifest)
@@ -82,20 +103,7 @@ def _refit(rank, world, src_path, dst_path, cases, bucket_bytes):
     for mode, domains in cases:
         plan = Plan(src, dst, Topology(name="t", domains=domains), mode=mode)
         wire = plan.wire
-        src_shards, dst_shards = {}, {}
-        for t, spec in enumerate(man):
-            if rank in src.placements[t].holder_set:
-                box = src.placements[t].box_of(spec.shape, rank)
-                src_shards[t] = LocalShard(box, ref[t][box.slices()].clone())
-            if rank in dst.placements[t].holder_set:
-                box = dst.placements[t].box_of(spec.shape, rank)
-                data = torch.empty(box.sizes, dtype=ref[t].dtype)
-                data.view(torch.uint8).fill_(SENTINEL)
-                fp8 = scale = None
-                if t in wire.quantized:
-                    fp8 = torch.full(box.sizes, SENTINEL, dtype=torch.uint8).view(torch.float8_e4m3fn)
-                    scale = torch.full(blocks_of(box.sizes), -1.0)
-                dst_shards[t] = LocalShard(box, data, fp8, scale)
+        src_shards, dst_shards = _shards(rank, plan, ref)
         engine = Engine(plan, rank, src_shards, dst_shards, options=TransferOptions(bucket_bytes=bucket_bytes))
         engine.setup_groups()
         engine.run_reshard()
@@ -131,7 +139,7 @@ def test_sender_quantized_refit_equals_vllm_quantizer(tmp_path):
     deep_gemm = pytest.importorskip("vllm.utils.deep_gemm", reason="vLLM's reference quantizer")
     from reshard_cli.formats import load_pair
     from reshard_cli.layouts.topology import Topology
-    from reshard_cli.plan.fp8 import fp8_figures
+    from reshard_cli.plan.fp8 import fp8_figures, on_wire
     from reshard_cli.plan.planner import Plan
 
     src_path, dst_path = _pair(tmp_path)
@@ -167,12 +175,105 @@ def test_sender_quantized_refit_equals_vllm_quantizer(tmp_path):
             assert got["fp8_items_received"] > 0, case
             assert got["quantized_here"] > 0, case  # cut blocks (and broadcast tensors in hybrid)
     # the wire: what the senders and forwarders sent, against the plan's FP8 figures (no topology: every
-    # message crosses domains) and against the BF16 refit
+    # message crosses domains), byte for byte, and against the BF16 refit
     plan = Plan(src, dst, Topology(name="t"), mode="reshard")
     fig = fp8_figures(plan, plan.stats())
     sent = sum(results[r][("reshard", False)]["sent"] for r in results)
     assert sent < 0.75 * fig["bf16_wire_bytes"]
-    assert abs(sent - fig["wire_bytes"]) <= 0.01 * fig["wire_bytes"], (sent, fig["wire_bytes"])
+    assert sent == fig["wire_bytes"] == on_wire(plan)["wire_bytes"], (sent, fig["wire_bytes"])  # FP8, scales, BF16
+
+
+def _cut_block(plan, t, box):
+    """The first block of destination box `box` of tensor `t` that a source shard boundary cuts, as a Box."""
+    shape = plan.src.manifest.tensors[t].shape
+    for a, _h in plan.unique_boxes(shape, plan.src.placements[t]):
+        r = a.intersect(box)
+        rims = split_whole(r, shape, plan.wire.block)[1] if r is not None else []
+        if rims:
+            (r0, c0), (nr, nc) = rims[0].offsets, rims[0].sizes
+            o = (r0 // 128 * 128, c0 // 128 * 128)
+            return Box(o, (min(128, shape[0] - o[0]), min(128, shape[1] - o[1])))
+    return None
+
+
+def _corrupted(rank, world, src_path, dst_path):
+    """A refit into two FP8 replicas (FSDP's cuts at rows 214 and 428 leave blocks to the destinations), then
+    faults on the last rank, each undone before the next, verified after each: one FP8 byte of a block the
+    destination quantized, flipped after quantizing; such a block quantized wrongly (bytes and scale of twice its
+    max |x|, consistent with each other); one BF16 byte of it as it landed."""
+    from reshard_cli.base.fp8 import block_scales, quantize_part
+    from reshard_cli.formats import load_pair
+    from reshard_cli.layouts.topology import Topology
+    from reshard_cli.plan.planner import Plan
+    from reshard_cli.transfer import verify
+    from reshard_cli.transfer.engine import Engine
+
+    src, dst = load_pair(src_path, dst_path)
+    ref = _reference(src.manifest)
+    man = src.manifest.tensors
+    plan = Plan(src, dst, Topology(name="t", domains=((3, 4),)), mode="reshard")
+    src_shards, dst_shards = _shards(rank, plan, ref)
+    engine = Engine(plan, rank, src_shards, dst_shards)
+    engine.setup_groups()
+    engine.run_reshard()
+    quantized_here = engine.quantize_received()
+    out = {"quantized_here": quantized_here, "cut": sorted(man[t].name for t in plan.wire.cut),
+           "held": {man[t].name: (sh.box.offsets, sh.fp8.view(torch.uint8).numpy().copy(), sh.scale.numpy().copy())
+                    for t, sh in dst_shards.items() if sh.fp8 is not None}}
+    out["bad"] = [man[t].name for t in verify.mismatched_checksums(plan, rank, src_shards, dst_shards)[1]]
+    mine = [t for t in sorted(dst_shards) if t in plan.wire.cut]
+    for fault in ("fp8 byte", "quantization", "bf16 byte"):
+        undo, t = None, None
+        if rank == world - 1:
+            t = mine[{"fp8 byte": 0, "quantization": 1, "bf16 byte": 2}[fault] % len(mine)]
+            sh = dst_shards[t]
+            block = _cut_block(plan, t, sh.box)
+            at = block.local_slices(sh.box)
+            kept = (sh.fp8.clone(), sh.scale.clone(), sh.data.clone())
+            undo = lambda sh=sh, kept=kept: (sh.fp8.copy_(kept[0]), sh.scale.copy_(kept[1]), sh.data.copy_(kept[2]))
+            if fault == "fp8 byte":
+                sh.fp8[at].view(torch.uint8)[1, 2] ^= 1
+            elif fault == "quantization":
+                amax = 2 * sh.data[at].float().abs().amax().reshape(1, 1)
+                sh.fp8[at].copy_(quantize_part(sh.data[at], block.offsets, amax))
+                sh.scale[block.offsets[0] // 128 - sh.box.offsets[0] // 128,
+                         block.offsets[1] // 128 - sh.box.offsets[1] // 128] = block_scales(amax)[0, 0]
+            else:
+                sh.data[at].view(torch.int16)[1, 2] ^= 1
+        bad = verify.mismatched_checksums(plan, rank, src_shards, dst_shards)[1]
+        out[fault] = ([man[t].name for t in bad], man[t].name if t is not None else None)
+        if undo is not None:
+            undo()
+    return out
+
+
+def test_blocks_the_destination_quantizes_are_verified_as_stored(tmp_path):
+    """The blocks a source shard boundary cuts arrive in BF16 and the destinations quantize them: what they store
+    equals `base.fp8`'s quantizer on the full tensor, element for element, and the checksums cover it (the
+    sources agree on each such block's max |x| and quantize their parts of it): an FP8 byte flipped after
+    quantizing, a block quantized with a wrong scale, a BF16 byte of it as it landed are each named, on the
+    rank that holds it only."""
+    from reshard_cli.base.fp8 import quantize_blocks
+    from reshard_cli.formats import load_pair
+
+    src_path, dst_path = _pair(tmp_path)
+    results = run_ranks(5, _corrupted, str(src_path), str(dst_path))
+    src, _dst = load_pair(src_path, dst_path)
+    ref = {spec.name: x for spec, x in zip(src.manifest.tensors, _reference(src.manifest))}
+    assert results[3]["cut"] and "model.layers.0.self_attn.q_proj.weight" in results[3]["cut"]
+    for rank in (3, 4):
+        got = results[rank]
+        assert got["quantized_here"] > 0 and got["bad"] == []
+        for name, (offsets, data, scale) in got["held"].items():
+            fq, fs = quantize_blocks(ref[name])
+            box = Box(tuple(offsets), tuple(data.shape))
+            assert torch.equal(torch.from_numpy(data), fq.view(torch.uint8)[box.slices()]), name
+            assert torch.equal(torch.from_numpy(scale), fs[offsets[0] // 128:, offsets[1] // 128:][
+                :scale.shape[0], :scale.shape[1]]), name
+    for fault in ("fp8 byte", "quantization", "bf16 byte"):
+        bad, name = results[4][fault]
+        assert name in results[3]["cut"] and bad == [name], (fault, bad, name)
+        assert results[3][fault][0] == [], fault
 
 
 def _staged(rank, world, src_path, dst_path):

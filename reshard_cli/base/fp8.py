@@ -169,6 +169,49 @@ def quantize_region(x: torch.Tensor, offset: Sequence[int], full_shape: Sequence
     return quantize_blocks(x, block, out)
 
 
+def _padded(x: torch.Tensor, offset: Sequence[int], block: Sequence[int]) -> tuple[torch.Tensor, int, int]:
+    """Region `x` (at `offset`) in float32 inside zeros that fill out the blocks it touches to full-size blocks
+    along the last two dims: (that tensor, the rows and columns of zeros before `x`). Zeros never raise a
+    block's max |x|."""
+    bm, bn = _check_block(block)
+    *lead, m, n = x.shape
+    r0, c0 = offset[-2] % bm, offset[-1] % bn
+    buf = torch.zeros((*lead, _cdiv(r0 + m, bm) * bm, _cdiv(c0 + n, bn) * bn), dtype=torch.float32, device=x.device)
+    buf[..., r0:r0 + m, c0:c0 + n] = x
+    return buf, r0, c0
+
+
+def _by_block(buf: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
+    """[..., H, W] (whole blocks) as [..., H / bm, bm, W / bn, bn], a view."""
+    bm, bn = block
+    return buf.unflatten(-1, (buf.shape[-1] // bn, bn)).unflatten(-3, (buf.shape[-2] // bm, bm))
+
+
+def region_amax(x: torch.Tensor, offset: Sequence[int], block: Sequence[int] = BLOCK) -> torch.Tensor:
+    """Max |x| of region `x` (at `offset`, any region) in each block it touches, over the part of the block it
+    holds: float32, [..., blocks] (leading dims as x's; the blocks from `scale_offset(offset)`). A block's max
+    |x| is the largest of its parts' (NaN if any is), so the holders of a block's parts can agree on the scale
+    `quantize_blocks` gives it (`block_scales`) and each quantize its own part (`quantize_part`)."""
+    return _amax(_by_block(_padded(x, offset, block)[0], block), (-3, -1))
+
+
+def block_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The scales `quantize_blocks` gives blocks of max |x| `amax` (vLLM's arithmetic, on amax's device)."""
+    return _scales(amax.to(torch.float32))[0]
+
+
+def quantize_part(x: torch.Tensor, offset: Sequence[int], amax: torch.Tensor,
+                  block: Sequence[int] = BLOCK) -> torch.Tensor:
+    """The FP8 bytes of region `x` (at `offset`, any region) that `quantize_blocks` of the full tensor has there,
+    given the max |x| of each whole block it touches (`amax`, shaped as `region_amax(x, offset)`): each element
+    times its block's 1 / scale, converted as `quantize_blocks` converts, so bit for bit the full tensor's."""
+    buf, r0, c0 = _padded(x, offset, block)
+    _sf, inv = _scales(amax.to(device=x.device, dtype=torch.float32))
+    _by_block(buf, block).mul_(inv[..., :, None, :, None])
+    m, n = x.shape[-2:]
+    return buf[..., r0:r0 + m, c0:c0 + n].to(FP8)
+
+
 def tensor_amax(x: torch.Tensor, per_expert: bool = False) -> torch.Tensor:
     """max |x| in x's dtype, as vLLM's `weight_amax`: shape [1], or [E] per leading index with `per_expert`.
     All-reduce it (MAX) across the shards of one tensor and pass it to `quantize_tensor`."""

@@ -51,6 +51,11 @@ domain) through its ranks' NICs (job ranks in the domain × network_gbps); every
 least once, the bytes only it holds that another domain needs, through its NICs; and the bytes that must
 leave some source domain must pass the source domains' NICs together. The bound is the largest of these.
 
+**Bytes** are weighed as they travel: the reshard path and the lower bound per piece through
+`plan.fp8.wire_weights` (into a block-FP8 engine a piece's whole blocks as FP8 bytes plus a float32 scale per
+block, the rest in the source dtype; otherwise the source dtype), the broadcast path in the source dtype (full
+tensors, which an FP8 engine quantizes itself). So auto's choice and every predicted time weigh what moves.
+
 The model of a plan's classes under some links and bucket size is made once and kept with the classes
 (`TensorClasses.memo`), so auto's choice and the predictions share its tables.
 
@@ -67,7 +72,10 @@ from typing import Any, NamedTuple
 
 from reshard_cli.base.text import fmt_bytes
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology
+from reshard_cli.plan.bound import LowerBound, lower_bound
+from reshard_cli.plan.fp8 import wire_weights
 from reshard_cli.plan.planner import Plan, TensorClasses
+from reshard_cli.plan.rows import Table, numpy_ as _np
 from reshard_cli.plan.schedule import PackFiller, TransferOptions, align
 from reshard_cli.plan.terms import MODES, ROUTES, ClassRoutes, Route, Traffic, no_gc
 
@@ -154,18 +162,6 @@ class ModeCost:
                 "bound_by": self.bound_by}
 
 
-@dataclass
-class LowerBound:
-    seconds: float
-    resource: str  # what bounds it, in words
-    ingress_s: float
-    egress_s: float
-    detail: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {"seconds": self.seconds, "resource": self.resource, "ingress_seconds": self.ingress_s,
-                "egress_seconds": self.egress_s, **self.detail}
-
 
 @dataclass
 class Prediction:
@@ -195,145 +191,21 @@ class Prediction:
 # ---------------------------------------------------------------------------------------- the model
 
 
-# the per-entry columns of a class (`planner.Columns`) that `_Table` concatenates over classes
-_CONCAT = ("fixed_src", "fixed_dst", "fixed_numel", "fixed_kind", "rotating_sid", "rotating_dst", "rotating_numel",
-           "rotating_key", "rotating_kind", "senders")
-
-
-class _Table:
-    """The entries of some tensor classes (with forwarding, or direct) as flat arrays: what the model sums.
-
-    Per class position `pos`: fixed rows (one possible sender) fixed_start[pos] .. + fixed_count[pos], rotating
-    rows rot_start[pos] .. + rot_count[pos], forward rows fwd_start[pos] .. + fwd_count[pos]. A fixed or forward
-    row is a pair key (kind * world + sender) * world + receiver and its elements; a rotating row is its pair key
-    without the sender (kind * world * world + receiver), its senders' row in `sender_table`, its rotation key,
-    its number of senders L and its elements: tensor t's copy goes from sender_table[row, (t + key) % L]. A
-    phase-0 entry's senders are all inside the receiver's domain or all outside it, so its kind (network or
-    NVLink) does not depend on which one sends.
-    """
-
-    def __init__(self, classes: list, direct: bool, world: int):
-        np = _np()
-        cat: dict[str, list] = {f: [] for f in _CONCAT}  # every class's columns, one after another
-        fixed_start, fixed_count, rot_start, rot_count, senders_base = [], [], [], [], []
-        blocks_by_k: dict[int, tuple] = {}  # forward blocks by domain size k: (class positions, G rows, m rows)
-        for pos, c in enumerate(classes):
-            col = c.columns(direct)
-            for group, parts in col.blocks:
-                acc = blocks_by_k.get(len(group))
-                if acc is None:
-                    acc = blocks_by_k[len(group)] = ([], [], [])
-                acc[0].append(pos)
-                acc[1].append(group)
-                acc[2].append(parts)
-            fixed_start.append(len(cat["fixed_src"]))
-            rot_start.append(len(cat["rotating_sid"]))
-            senders_base.append(len(cat["senders"]))
-            fixed_count.append(len(col.fixed_src))
-            rot_count.append(len(col.rotating_sid))
-            for f, xs in cat.items():
-                xs += getattr(col, f)
-        i64, f64 = np.int64, np.float64
-        self.world = world
-        self.fixed_start, self.fixed_count, self.rot_start, self.rot_count = (
-            np.array(x, dtype=i64) for x in (fixed_start, fixed_count, rot_start, rot_count))
-        self.fixed_pair = _pair_key(np.array(cat["fixed_kind"], dtype=i64), np.array(cat["fixed_src"], dtype=i64),
-                                    np.array(cat["fixed_dst"], dtype=i64), world)
-        self.fixed_numel = np.array(cat["fixed_numel"], dtype=f64)
-        self.rot_pair = _pair_key(np.array(cat["rotating_kind"], dtype=i64), 0,
-                                  np.array(cat["rotating_dst"], dtype=i64), world)
-        # a rotating row's senders: its class's first senders row + its position among the class's
-        self.rot_senders_row = (np.array(cat["rotating_sid"], dtype=i64)
-                                + np.repeat(np.array(senders_base, dtype=i64), self.rot_count))
-        self.rot_key = np.array(cat["rotating_key"], dtype=i64)
-        self.rot_numel = np.array(cat["rotating_numel"], dtype=f64)
-        self.sender_table, nsenders = _sender_table(cat["senders"])
-        self.rot_nsenders = nsenders[self.rot_senders_row] if len(self.rot_senders_row) else np.zeros(0, dtype=i64)
-        self.fwd_pair, self.fwd_numel, self.fwd_start, self.fwd_count = _forward_rows(blocks_by_k, len(classes),
-                                                                                     world)
-
-    def rows(self, pos, gid, total, rpos, rgid, residue, weights) -> tuple:
-        """Pair keys, bytes and group id of every row of some tensors: per (class position `pos`, group `gid`),
-        `total` Σ item bytes of its tensors (for the fixed and forward rows); per (class position `rpos`, group
-        `rgid`, rotation residue `residue`), `weights` Σ item bytes of its tensors at that residue (for the
-        rotating rows)."""
-        np = _np()
-        keys, vals, gids = [], [], []
-        for start, count, pair, numel in ((self.fixed_start, self.fixed_count, self.fixed_pair, self.fixed_numel),
-                                          (self.fwd_start, self.fwd_count, self.fwd_pair, self.fwd_numel)):
-            cnt = count[pos]
-            idx = _ranges(start[pos], cnt)
-            keys.append(pair[idx])
-            vals.append(numel[idx] * np.repeat(total, cnt))
-            gids.append(np.repeat(gid, cnt))
-        cnt = self.rot_count[rpos]
-        if cnt.sum():
-            idx = _ranges(self.rot_start[rpos], cnt)
-            pick = (np.repeat(residue, cnt) + self.rot_key[idx]) % self.rot_nsenders[idx]
-            sender = self.sender_table[self.rot_senders_row[idx], pick]
-            keys.append(self.rot_pair[idx] + sender * self.world)
-            vals.append(self.rot_numel[idx] * np.repeat(weights, cnt))
-            gids.append(np.repeat(rgid, cnt))
-        return np.concatenate(keys), np.concatenate(vals), np.concatenate(gids)
-
-
-def _pair_key(kind, sender, receiver, world: int):
-    """(kind * world + sender) * world + receiver: one (kind, sender, receiver) as one integer."""
-    return (kind * world + sender) * world + receiver
-
-
-def _sender_table(senders: list) -> tuple:
-    """(the sender tuples as rows of a zero-padded array, each row's length)."""
-    np = _np()
-    lens = np.array([len(x) for x in senders] or [1], dtype=np.int64)
-    table = np.zeros((max(len(senders), 1), int(lens.max())), dtype=np.int64)
-    for j, x in enumerate(senders):
-        table[j, :len(x)] = x
-    return table, lens
-
-
-def _forward_rows(blocks_by_k: dict, nclasses: int, world: int) -> tuple:
-    """The forwards of some blocks (see `planner.Columns`): G[j] -> G[g] (g != j) carries m_j, expanded per block
-    and sorted by class position: (pair keys, elements, first row per class, rows per class)."""
-    np = _np()
-    i64, f64 = np.int64, np.float64
-    keys, vals, owner = [np.zeros(0, dtype=i64)], [np.zeros(0, dtype=f64)], [np.zeros(0, dtype=i64)]
-    for k, (positions, groups, parts) in blocks_by_k.items():
-        group = np.array(groups, dtype=i64)  # blocks x k
-        numel = np.array(parts, dtype=f64)
-        pair = _pair_key(int(Traffic.FWD), group[:, :, None], group[:, None, :], world)  # blocks x j x g
-        elems = np.broadcast_to(numel[:, :, None], pair.shape)
-        keep = (~np.eye(k, dtype=bool))[None, :, :] & (elems > 0)
-        keys.append(pair[keep])
-        vals.append(elems[keep])
-        owner.append(np.repeat(np.array(positions, dtype=i64), keep.reshape(len(groups), -1).sum(axis=1)))
-    owners = np.concatenate(owner)
-    order = np.argsort(owners, kind="stable")
-    count = np.bincount(owners, minlength=nclasses).astype(i64)
-    return np.concatenate(keys)[order], np.concatenate(vals)[order], np.cumsum(count) - count, count
-
-
-def _ranges(starts, counts):
-    """Concatenated aranges starts[i] .. starts[i] + counts[i]."""
-    np = _np()
-    total = int(counts.sum())
-    if not total:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(counts) - counts
-    return np.repeat(starts - offsets, counts) + np.arange(total, dtype=np.int64)
-
-
 class _Model:
     """Per-class figures of some `TensorClasses` under some links, shared by every mode (the geometry does not
-    depend on the mode)."""
+    depend on the mode). The broadcast path weighs the source dtype; the reshard path and the lower bound the
+    bytes that travel (`wire`: per count of `TensorClass.columns`, per tensor the bytes per unit counted;
+    `plan.fp8.wire_weights`), or with `on_wire` False the source dtype too (a BF16 engine beside an FP8 one)."""
 
-    def __init__(self, classes: TensorClasses, links: Links, bucket_bytes: int):
+    def __init__(self, classes: TensorClasses, links: Links, bucket_bytes: int, on_wire: bool = True):
         self.links = links
         self.half = TransferOptions(bucket_bytes=bucket_bytes).half
         self.dom = classes.domains
         self.src_ranks, self.dst_ranks = classes.src.ranks, classes.dst.ranks
         self.nbytes = classes.src.manifest.nbytes
+        self.classes = classes
         self.items = classes.itemsizes()
+        self.wire = (wire_weights(classes) if on_wire else {}) or {None: self.items}
         # per tensor its class's index; per class: the class, its broadcast period and its elements
         self.cls, self.cid = classes.index()
         self.bcast_period_of = [c.bn for c in self.cls]
@@ -357,21 +229,32 @@ class _Model:
         return self._period_of
 
     # ---- reshard path
-    def table(self, direct: bool) -> tuple:
-        """(the `_Table` of the classes whose entries differ with `direct`, class index -> its position)."""
-        out = self._tables.get(direct)
+    def table(self, direct: bool, count: str | None = None) -> tuple:
+        """(the `rows.Table` of the classes whose entries differ with `direct`, counting `count` (None: elements,
+        the tables any model of these classes shares; else only the classes with a tensor weighed by it), class
+        index -> its position)."""
+        out = self._tables.get((direct, count))
+        if out is None and count is None:
+            out = self._tables[(direct, None)] = self.classes.memo(("cost table", direct),
+                                                                   lambda: self._table(direct, None))
         if out is None:
-            np = _np()
-            picked = [i for i, c in enumerate(self.cls) if c.splits] if direct else list(range(len(self.cls)))
-            table = _Table([self.cls[i] for i in picked], direct, self.world)
-            pos = np.full(len(self.cls), -1, dtype=np.int64)
-            pos[picked] = np.arange(len(picked))
-            out = self._tables[direct] = (table, pos)
+            out = self._tables[(direct, count)] = self._table(direct, count)
         return out
 
+    def _table(self, direct: bool, count: str | None) -> tuple:
+        np = _np()
+        counted = None
+        if count is not None:  # the classes of the tensors this count weighs
+            class_of, by_count = self._arrays()[:2]
+            counted = set(class_of[by_count[count] != 0].tolist())
+        picked = [i for i, c in enumerate(self.cls) if (counted is None or i in counted) and (not direct or c.splits)]
+        pos = np.full(len(self.cls), -1, dtype=np.int64)
+        pos[picked] = np.arange(len(picked))
+        return Table([self.cls[i] for i in picked], direct, self.world, count), pos
+
     def _arrays(self) -> tuple:
-        """Per tensor: class index, item size, rotation residue; per class: whether direct differs; the largest
-        rotation period."""
+        """Per tensor: class index, per count its weight (`wire`), rotation residue; per class: whether direct
+        differs; the largest rotation period."""
         out = self._tensor_arrays
         if out is None:
             np = _np()
@@ -379,8 +262,8 @@ class _Model:
             period = np.array(self.period_of, dtype=np.int64)
             residue = np.arange(len(class_of), dtype=np.int64) % period[class_of] if len(class_of) else class_of
             splits = np.array([c.splits for c in self.cls], dtype=bool)
-            out = self._tensor_arrays = (class_of, np.array(self.items, dtype=np.float64), residue, splits,
-                                         int(period.max(initial=1)))
+            weights = {k: np.array(v, dtype=np.float64) for k, v in self.wire.items()}
+            out = self._tensor_arrays = (class_of, weights, residue, splits, int(period.max(initial=1)))
         return out
 
     def _rows(self, sel, direct, grouped: bool) -> tuple | None:
@@ -388,29 +271,30 @@ class _Model:
         `direct` (a bool per tensor; classes where direct makes no difference use forwarding's rows). With
         `grouped`, a row's group id is its class index * 2 + direct, else 0."""
         np = _np()
-        class_of, item, residue, splits, period_max = self._arrays()
+        class_of, by_count, residue, splits, period_max = self._arrays()
         if not len(sel):
             return None
         cls = class_of[sel]
         job = cls * 2 + (direct & splits[cls])
         uniq, inv = np.unique(job * period_max + residue[sel], return_inverse=True)
-        weights = np.bincount(inv.ravel(), weights=item[sel], minlength=len(uniq))  # Σ item per (job, residue)
         uniq_job, uniq_residue = uniq // period_max, uniq % period_max
         jobs, inv_job = np.unique(uniq_job, return_inverse=True)
-        totals = np.bincount(inv_job.ravel(), weights=weights, minlength=len(jobs))  # Σ item per job
-        keys, vals, gids = [], [], []
-        for d in (0, 1):
-            job_d, res_d = jobs % 2 == d, uniq_job % 2 == d
-            if not job_d.any():
-                continue
-            table, pos = self.table(bool(d))
-            gid = jobs[job_d] if grouped else np.zeros(int(job_d.sum()), dtype=np.int64)
-            rgid = uniq_job[res_d] if grouped else np.zeros(int(res_d.sum()), dtype=np.int64)
-            k, v, g = table.rows(pos[jobs[job_d] // 2], gid, totals[job_d], pos[uniq_job[res_d] // 2], rgid,
-                                 uniq_residue[res_d], weights[res_d])
-            keys.append(k)
-            vals.append(v)
-            gids.append(g)
+        keys, vals, gids = [np.zeros(0, dtype=np.int64)], [np.zeros(0)], [np.zeros(0, dtype=np.int64)]
+        for count, item in by_count.items():  # one count's weights never mix signs: a job weighs 0 only if empty
+            weights = np.bincount(inv.ravel(), weights=item[sel], minlength=len(uniq))  # Σ per (job, residue)
+            totals = np.bincount(inv_job.ravel(), weights=weights, minlength=len(jobs))  # Σ per job
+            for d in (0, 1):
+                job_d, res_d = (jobs % 2 == d) & (totals != 0), (uniq_job % 2 == d) & (weights != 0)
+                if not job_d.any():
+                    continue
+                table, pos = self.table(bool(d), count)
+                gid = jobs[job_d] if grouped else np.zeros(int(job_d.sum()), dtype=np.int64)
+                rgid = uniq_job[res_d] if grouped else np.zeros(int(res_d.sum()), dtype=np.int64)
+                k, v, g = table.rows(pos[jobs[job_d] // 2], gid, totals[job_d], pos[uniq_job[res_d] // 2], rgid,
+                                     uniq_residue[res_d], weights[res_d])
+                keys.append(k)
+                vals.append(v)
+                gids.append(g)
         return np.concatenate(keys), np.concatenate(vals), np.concatenate(gids)
 
     def route_arrays(self, routes: tuple) -> tuple:
@@ -535,7 +419,8 @@ class _Model:
         NET, NVL0, FWD = Traffic
         bcast_tensors = [t for t, r in enumerate(routes) if r == Route.BROADCAST]
         rp = self.reshard_path(routes)
-        bp = self.broadcast_path(bcast_tensors)
+        key = ("broadcast path", self.links, self.half, tuple(bcast_tensors))  # the source dtype, in any model
+        bp = self.classes.memo(key, lambda: self.broadcast_path(bcast_tensors))
         net_s, nvl0_s, fwd_s = rp[NET][0], rp[NVL0][0], rp[FWD][0]
         reshard_seq = max(net_s, nvl0_s) + fwd_s
         reshard_pipe = max(net_s, rp["nvl_all"][0])
@@ -588,105 +473,8 @@ class _Model:
 
     # ---- lower bound
     def lower_bound(self) -> LowerBound:
-        """The network lower bound (see the module docstring): the largest of the ingress, exclusive egress and
-        all-egress figures."""
-        totals = [0] * len(self.cls)  # class -> Σ item bytes of its tensors
-        for t, i in enumerate(self.cid):
-            totals[i] += self.items[t]
-        ingress = self._ingress(totals)
-        exclusive, must_leave = self._egress(totals)
-        return _bound(self.dom, self.links, self.src_ranks, self.dst_ranks, ingress, exclusive, must_leave)
-
-    def _ingress(self, totals: list) -> dict[int, float]:
-        """Domain -> bytes entering it over the network: every phase-0 network entry (with forwarding) enters
-        its receiver's domain once."""
-        np = _np()
-        w, dom = self.world, self.dom
-        table, _pos = self.table(False)
-        total_of = np.array(totals, dtype=np.float64)
-        dom_ids = sorted(set(dom.values()))
-        index = {d: j for j, d in enumerate(dom_ids)}
-        dom_of_rank = np.zeros(w, dtype=np.int64)
-        for r, d in dom.items():
-            dom_of_rank[r] = index[d]
-        per_dom = np.zeros(len(dom_ids))
-        for keys, numel, count in ((table.fixed_pair, table.fixed_numel, table.fixed_count),
-                                   (table.rot_pair, table.rot_numel, table.rot_count)):
-            if not len(keys):
-                continue
-            nbytes = numel * np.repeat(total_of, count)
-            net = keys // (w * w) == Traffic.NET
-            per_dom += np.bincount(dom_of_rank[keys[net] % w], weights=nbytes[net], minlength=len(dom_ids))
-        return {dom_ids[j]: float(v) for j, v in enumerate(per_dom) if v}
-
-    def _egress(self, totals: list) -> tuple[dict[int, float], float]:
-        """(source domain -> bytes only it holds that another domain needs, bytes that must leave some source
-        domain)."""
-        dom = self.dom
-        exclusive: dict[int, float] = defaultdict(float)
-        must_leave = 0.0
-        for c, items in zip(self.cls, totals):
-            if not items:
-                continue
-            dst_boxes = c.dst_boxes
-            dst_doms = [{dom[h] for h in holders} for _b, holders in dst_boxes]
-            for a, senders in c.src_boxes:
-                src_doms = {dom[s] for s in senders}
-                need = 0
-                for (b, _h), ddoms in zip(dst_boxes, dst_doms):
-                    if ddoms - src_doms:
-                        r = a.intersect(b)
-                        if r is not None:
-                            need += r.numel
-                if need:
-                    must_leave += need * items
-                    if len(src_doms) == 1:
-                        exclusive[next(iter(src_doms))] += need * items
-        return exclusive, must_leave
-
-
-def _bound(dom: dict, lk: Links, src_ranks: list, dst_ranks: list, ingress: dict, exclusive: dict,
-           must_leave: float) -> LowerBound:
-    """The lower bound from the bytes each domain must receive (`ingress`) and send (`exclusive`), and those
-    that must leave the source domains together, through their ranks' NICs."""
-    ranks_in: dict[int, list] = defaultdict(list)
-    for r in sorted(set(src_ranks) | set(dst_ranks)):
-        ranks_in[dom[r]].append(r)
-    src_doms = {dom[r] for r in src_ranks}
-
-    def worst(figures: dict) -> tuple[float, int | None]:
-        best = (0.0, None)
-        for d, nb in figures.items():
-            s = nb / (len(ranks_in[d]) * lk.net)
-            if s > best[0]:
-                best = (s, d)
-        return best
-
-    def where(d: int) -> str:
-        rs = ranks_in[d]
-        return f"domain {d} (ranks {rs[0]}-{rs[-1]})" if len(rs) > 1 else f"rank {rs[0]}"
-
-    in_s, in_d = worst(ingress)
-    ex_s, ex_d = worst(exclusive)
-    src_nics = sum(len(ranks_in[d]) for d in src_doms)
-    all_s = must_leave / (src_nics * lk.net) if src_nics else 0.0
-    candidates = [(in_s, "ingress", in_d), (ex_s, "egress", ex_d), (all_s, "egress-all", None)]
-    s, kind, d = max(candidates, key=lambda x: x[0])
-    if s == 0:
-        resource = "nothing crosses a domain boundary"
-    elif kind == "ingress":
-        resource = (f"network ingress of {where(d)}: {fmt_bytes(ingress[d])} over {len(ranks_in[d])} x "
-                    f"{lk.network_gbps:g} GB/s")
-    elif kind == "egress":
-        resource = (f"network egress of {where(d)}: {fmt_bytes(exclusive[d])} only it holds, over "
-                    f"{len(ranks_in[d])} x {lk.network_gbps:g} GB/s")
-    else:
-        resource = (f"network egress of all source domains: {fmt_bytes(must_leave)} over {src_nics} x "
-                    f"{lk.network_gbps:g} GB/s")
-    detail = {"ingress_bytes_max": max(ingress.values(), default=0),
-              "egress_exclusive_bytes_max": max(exclusive.values(), default=0),
-              "egress_all_bytes": must_leave}
-    return LowerBound(s, resource, in_s, max(ex_s, all_s), detail)
+        """The network lower bound (`plan.bound`)."""
+        return lower_bound(self)
 
 
 class _ClassRows(NamedTuple):
@@ -924,13 +712,6 @@ class RouteChoice:
     passes: int
 
 
-def _np():
-    """numpy, imported on first use: planning without link figures never needs it."""
-    import numpy
-
-    return numpy
-
-
 def _busiest(sent, received, msgs_sent, msgs_received, bw: float, lat: float) -> tuple:
     """(seconds, rank, bytes, messages) of the busiest rank: full duplex, so the larger direction counts."""
     np = _np()
@@ -987,25 +768,26 @@ def _bound_by(mc: ModeCost, lk: Links) -> str:
 # ----------------------------------------------------------------------------------------------- API
 
 
-def model_for(plan: Plan, links: Links, bucket_bytes: int | None = None) -> _Model:
+def model_for(plan: Plan, links: Links, bucket_bytes: int | None = None, on_wire: bool = True) -> _Model:
     """The model of `plan`'s classes under `links` (kept with the classes: auto's choice and the predictions
-    share its tables)."""
+    share its tables). `on_wire`: as `_Model`'s."""
     bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
-    key = ("cost model", links, TransferOptions(bucket_bytes=bucket_bytes).half)
-    return plan.classes.memo(key, lambda: _Model(plan.classes, links, bucket_bytes))
+    key = ("cost model", links, TransferOptions(bucket_bytes=bucket_bytes).half, on_wire)
+    return plan.classes.memo(key, lambda: _Model(plan.classes, links, bucket_bytes, on_wire))
 
 
-def auto_routes(plan: Plan) -> ClassRoutes:
+def auto_routes(plan: Plan, on_wire: bool = True) -> ClassRoutes:
     """Mode auto's route per tensor class of `plan` (`TensorClasses.index` order) and what decided them: this
-    model's choice (`_RouteSearch`) from the plan's topology's links and bucket size; forward everywhere
-    without link figures."""
+    model's choice (`_RouteSearch`) from the plan's topology's links and bucket size, weighing the bytes that
+    travel (`on_wire` False: the source dtype's, as into a BF16 engine); forward everywhere without link
+    figures."""
     links, _why = links_of(plan.topology)
     with no_gc():
         nclasses = len(plan.classes.index()[0])
         if links is None:
             return ClassRoutes((Route.FORWARD,) * nclasses,
                                "no link figures to weigh: forward everywhere (the fewest network bytes)")
-        choice = model_for(plan, links, plan.bucket_bytes).choice()
+        choice = model_for(plan, links, plan.bucket_bytes, on_wire).choice()
     moved = sum(r != Route.FORWARD for r in choice.routes)
     return ClassRoutes(tuple(choice.routes),
                        f"chosen by the cost model, class by class: {moved} of {len(choice.routes)} classes off "
@@ -1022,12 +804,14 @@ def with_auto_routes(plan: Plan) -> Plan:
 
 
 def predict(plan: Plan, topology: Topology | None = None, *, modes=MODES,
-            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Prediction | None:
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES, on_wire: bool = True) -> Prediction | None:
     """Predicted seconds of every mode (each mode's routes from the plan's classes) and the network lower bound.
 
     `topology` defaults to the plan's; None is returned when it has no usable link figures (`links_of`).
     Mode auto is costed with the routes the plan carries, else with those `auto_routes` chooses for it (from
-    its topology's links and its bucket size).
+    its topology's links and its bucket size). The reshard path weighs the bytes that travel (into a block-FP8
+    engine FP8 and scales where the senders quantize); `on_wire` False: the same pieces with every byte in the
+    source dtype.
     """
     t0 = time.perf_counter()
     topology = topology if topology is not None else plan.topology
@@ -1039,8 +823,8 @@ def predict(plan: Plan, topology: Topology | None = None, *, modes=MODES,
                     bucket_bytes=plan.bucket_bytes)
     with no_gc():
         if "auto" in modes and plan.class_routes is None:
-            plan = plan.with_class_routes(auto_routes(plan))
-        model = model_for(plan, links, bucket_bytes)
+            plan = plan.with_class_routes(auto_routes(plan, on_wire))
+        model = model_for(plan, links, bucket_bytes, on_wire)
         costs = {m: model.mode_cost(m, plan.routes_for(m)) for m in modes}
         bound = model.lower_bound()
         auto = plan.route_summary(plan.routes_for("auto")) if "auto" in modes else None
@@ -1091,6 +875,16 @@ def plan_prediction(plan: Plan) -> tuple[str, dict[str, Any]]:
     links, why = links_of(topo)
     if links is None:
         return f"  predicted     none: {why}", {}
+    plan = with_auto_routes(plan)
     pred = predict(plan)
     assert pred is not None
-    return prediction_text(pred), pred.to_json()
+    text, doc = prediction_text(pred), pred.to_json()
+    if wire_weights(plan.classes):  # into a block-FP8 engine: the same refit into a BF16 one, beside it
+        bf16 = predict(plan, on_wire=False)
+        doc["bf16_predicted_seconds"] = {m: c.seconds for m, c in bf16.modes.items()}
+        doc["bf16_lower_bound_seconds"] = bf16.bound.seconds
+        this = bf16.modes.get(plan.mode)
+        text += (f"\n  in BF16       {plan.mode}: {fmt_seconds(this.seconds)} predicted, lower bound "
+                 f"{fmt_seconds(bf16.bound.seconds)}: the same pieces with every byte in BF16 (above: FP8 and "
+                 f"scales where the senders quantize)") if this is not None else ""
+    return text, doc

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from reshard_cli.layouts.layout import Layout
 from reshard_cli.layouts.topology import Topology
 from reshard_cli.plan.cost import links_of, with_auto_routes
+from reshard_cli.plan.fp8 import on_wire, wire_of
 from reshard_cli.plan.groups import Group, resume_group, resume_layer
 from reshard_cli.plan.planner import Plan
 
@@ -80,13 +81,15 @@ def fleet_figures(plan, fleet: Fleet, stats: dict | None = None) -> dict:
     baseline.
     `forwarded_bytes` are what the destination ranks forward to each other inside domains (the workers'
     sends); `indomain_bytes` add what a source rank sends inside its own domain and a broadcast's fan-out.
-    `stats`: the plan's, when at hand."""
-    stats = stats or plan.stats()
+    Bytes are weighed as they travel (`plan.fp8.on_wire`: into a block-FP8 engine, FP8 and scales where the
+    senders quantize; the gather->broadcast baseline in the source dtype). `stats`: the plan's, so weighed,
+    when at hand."""
+    stats = stats or on_wire(plan)
     separate = stats["wire_bytes"]
     if fleet.replicas > 1 and not _within_replicas(plan.topology, plan.dst, fleet):
         alone = with_auto_routes(Plan(plan.src, plan.dst, separate_topology(plan.topology, plan.dst, fleet),
                                       mode=plan.mode, reshard_match=plan.reshard_match))  # the same mode
-        separate = alone.stats()["wire_bytes"]
+        separate = alone.stats(wire=wire_of(alone))["wire_bytes"]
     return {"mode": plan.mode, "replicas": fleet.replicas, "workers_per_replica": fleet.per_replica,
             "wire_bytes": stats["wire_bytes"], "min_wire_bytes": stats["min_wire_bytes"],
             "indomain_bytes": stats["indomain_bytes"], "forwarded_bytes": stats["forwarded_bytes"],
@@ -108,15 +111,15 @@ def loss_figures(plan, survivors: Layout, groups: list[Group], survivor_groups: 
     model (`Plan.group_wire_bytes`: a tensor's wire on the reshard path does not depend on its neighbours, a
     broadcast's root rotates with its place in the group), built once. Only in mode auto with link figures
     is each group planned on its own, since the cost model chooses a group's routes from its own traffic and
-    may choose otherwise than for the whole model."""
+    may choose otherwise than for the whole model. Bytes are weighed as they travel, as in `fleet_figures`."""
     t0 = time.perf_counter()
     alone = with_auto_routes(Plan(plan.src, survivors, plan.topology, mode=plan.mode,
                                   reshard_match=plan.reshard_match, bucket_bytes=plan.bucket_bytes))
     everything = [range(len(plan.src.manifest.tensors))]
     if plan.mode == "auto" and links_of(plan.topology)[0] is not None and len(survivor_groups) > 1:
-        per_group = [_part(alone, g).group_wire_bytes([range(len(g.tensors))])[0] for g in survivor_groups]
+        per_group = [_wire(_part(alone, g), [range(len(g.tensors))])[0] for g in survivor_groups]
     else:
-        per_group = alone.group_wire_bytes([g.tensors for g in survivor_groups])
+        per_group = _wire(alone, [g.tensors for g in survivor_groups])
     tail = [sum(per_group[i:]) for i in range(len(per_group))] or [0]  # the survivors' groups i..end
     resent = [tail[resume_group(survivor_groups, resume_layer(groups[:g]))] for g in range(len(groups))]
     return {"replicas_after": fleet_of(survivors).replicas, "groups": len(groups),
@@ -126,8 +129,13 @@ def loss_figures(plan, survivors: Layout, groups: list[Group], survivor_groups: 
             "resent_bytes_mean": sum(resent) / len(resent) if resent else 0,
             "resent_bytes_by_group": resent,
             "group_wire_bytes": per_group,  # each survivors' group's own wire
-            "survivors_wire_bytes": alone.group_wire_bytes(everything)[0],  # one refit of them, not in groups
+            "survivors_wire_bytes": _wire(alone, everything)[0],  # one refit of them, not in groups
             "plan_seconds": time.perf_counter() - t0}
+
+
+def _wire(plan: Plan, groups) -> list:
+    """`Plan.group_wire_bytes` weighed as the bytes travel."""
+    return plan.group_wire_bytes(groups, wire=wire_of(plan))
 
 
 def _part(whole: Plan, group: Group) -> Plan:

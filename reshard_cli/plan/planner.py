@@ -47,7 +47,7 @@ from reshard_cli.base.blocks import grid_split
 from reshard_cli.base.geometry import Box
 from reshard_cli.layouts.layout import Layout, Placement
 from reshard_cli.formats import load_pair
-from reshard_cli.plan.fp8 import Wire
+from reshard_cli.plan.fp8 import Wire, counter
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.plan.terms import MODES, Bcast, ClassRoutes, Piece, Route, Traffic, no_gc
 
@@ -142,6 +142,8 @@ class TensorClass:
         self._splits: dict[tuple, list] = {}
         self._where: dict[tuple, list] = {}
         self._loads: dict = {}
+        self._counts: dict = {}  # `columns(count=...)`: count -> its function of a box
+        self._counted_min: dict = {}  # count -> `min_wire` so counted
 
     # ---- geometry
     def _groups(self) -> list[tuple[int, Box, int, list[int]]]:
@@ -279,18 +281,40 @@ class TensorClass:
                 out.append(Piece(t, src, d, b, p))
         return out
 
-    def columns(self, direct: bool = False) -> Columns:
-        """The entries' figures (see `Columns`), walked in `_build`'s order without building them."""
+    def columns(self, direct: bool = False, count: str | None = None) -> Columns:
+        """The entries' figures (see `Columns`), walked in `_build`'s order without building them. `count`
+        names what is counted per entry instead of its elements (`plan.fp8.counter`: into a block-FP8 engine,
+        the elements of its whole blocks, or the bytes they travel as), for `Plan.stats` and the cost model."""
         direct = direct and self.splits
-        col = self._cols.get(direct)
+        col = self._cols.get((direct, count))
         if col is None:
-            col = self._cols[direct] = _columns(*self._walk(direct))
+            ents, blocks, fwd, fwd_pieces, min_wire = self._walk(direct, self._counter(count))
+            col = self._cols[(direct, count)] = _columns(ents, blocks, fwd, fwd_pieces)
+            self._counted_min[count] = min_wire
         return col
 
-    def _walk(self, direct: bool) -> tuple[list, list, int, int]:
+    def min_wire_of(self, count: str | None = None) -> int:
+        """`min_wire`, counted as `columns(count=count)` counts."""
+        if count is None:
+            return self.min_wire
+        if count not in self._counted_min:
+            self.columns(False, count)
+        return self._counted_min[count]
+
+    def _counter(self, count: str | None):
+        """What `count` counts of a piece's box (None: its elements, the default)."""
+        if count is None:
+            return None
+        f = self._counts.get(count)
+        if f is None:
+            f = self._counts[count] = counter(count, self.shape, self.grid)
+        return f
+
+    def _walk(self, direct: bool, count=None) -> tuple[list, list, int, int, int]:
         """The phase-0 entries as (senders, dst, elements, kind, key) in `_build`'s order (key: the entry's
         position there, forwards included); the forwards as blocks (see `Columns`), with their elements and
-        pieces. Computes the geometry (`_geo`) on the way."""
+        pieces; the elements that must cross a domain boundary. `count` (a function of a piece's box) counts
+        something else than elements. Computes the geometry (`_geo`) on the way."""
         ents: list[tuple] = []
         blocks: list[tuple] = []
         fwd_elems = fwd_pieces = 0
@@ -301,10 +325,14 @@ class TensorClass:
         net, nvl0 = Traffic.NET, Traffic.NVL0
         for bi, b, d, group in self._groups():
             k = len(group)
-            outside = b.numel
+            outside = b.numel if count is None else 0  # counted: the non-local parts added up below
             for si, srcs, doms, r, n in self._parts_of(bi, b):
+                if count is not None:
+                    n = count(r)
+                    outside += 0 if d in doms else n
                 if d in doms:  # a source replica shares the domain: each replica gets it from there
-                    outside -= n
+                    if count is None:
+                        outside -= n
                     local = self._local_senders(si, srcs, d)
                     lens.add(len(local))
                     ents += [(local, g, n, nvl0, key + j) for j, g in enumerate(group)]
@@ -317,18 +345,19 @@ class TensorClass:
                     key += k
                 else:
                     parts = []
-                    for j, (_sub, m) in enumerate(self._split(r, k)):
-                        parts.append(m)
+                    for j, (sub, m) in enumerate(self._split(r, k)):
+                        c = m if count is None else count(sub)
+                        parts.append(c)
                         if m:
-                            ents.append((srcs, group[j], m, net, key))
+                            ents.append((srcs, group[j], c, net, key))
                             key += k  # the entry, then its k - 1 forwards (fixed entries, kept as a block)
-                            fwd_elems += m * (k - 1)
+                            fwd_elems += c * (k - 1)
                             fwd_pieces += k - 1
                     blocks.append((group, parts + [0] * (k - len(parts))))  # a scalar is not split: one part
             min_wire += outside
-        if self._geometry is None:
+        if self._geometry is None and count is None:
             self._geometry = (min_wire, _lcm(lens), splits)
-        return ents, blocks, fwd_elems, fwd_pieces
+        return ents, blocks, fwd_elems, fwd_pieces, min_wire
 
     # ---- broadcast path
     def bcast(self, t: int) -> Bcast:
@@ -451,6 +480,17 @@ def _columns(ents: list, blocks: list, fwd_elems: int, fwd_pieces: int) -> Colum
                    _Rotating(rot_net, rot_in, rot_recv, [(senders[sid], ph, n) for (sid, ph), n in rot_by.items()],
                              len(rot_sid)),
                    ideal)
+
+
+def _whole_bytes(summary: dict) -> None:
+    """`Plan.stats`'s byte figures as ints (weighed with a power-of-two fraction per element, each a whole number
+    of bytes: `plan.fp8.wire_weights`)."""
+    for k, v in summary.items():
+        if k.endswith("_bytes") and isinstance(v, float):
+            summary[k] = round(v)
+    for per in (*summary["path_stats"].values(), *summary["rank_bytes"].values()):
+        for k, v in per.items():
+            per[k] = round(v)
 
 
 def _lcm(values) -> int:
@@ -752,28 +792,35 @@ class Plan:
 
     # ------------------------------------------------------------------------------------- statistics
 
-    def stats(self, itemsizes: list | None = None) -> dict:
+    def stats(self, itemsizes: list | None = None, wire: dict | None = None) -> dict:
         """The figures `reshard plan` prints; keys documented in the README are a contract.
 
         Tensors of one class with the same rotation residue have identical loads, so each (class, residue)
         is evaluated once and scaled by the bytes per element of its tensors: `itemsizes` (per tensor, what
-        moves per element; default the source dtype's) weighs them otherwise (`plan.fp8`: FP8 on the wire).
+        moves per element; default the source dtype's) weighs them otherwise. `wire` weighs the reshard path
+        as its items travel (`plan.fp8.wire_weights`: into a block-FP8 engine, FP8 and scales where the senders
+        quantize): per count of `TensorClass.columns` (None: elements), per tensor the bytes per unit counted.
+        The broadcast path and the gather->broadcast baseline keep `itemsizes`; the minimum takes `wire` for
+        every tensor (any plan may send it on the reshard path).
         """
         with no_gc():
             t0 = time.perf_counter()
             classes = self.classes.index()[0]
             tally = _Tally()
-            groups, bcast_baseline, min_wire = self._group_tensors(tally, itemsizes or self.classes.itemsizes())
-            self._add_loads(groups, tally)
+            items = itemsizes or self.classes.itemsizes()
+            groups, extra, bcast_baseline, min_wire = self._group_tensors(tally, items, wire)
+            self._add_loads(groups, extra, tally)
             bcast_wire = sum(classes[i].bcast_wire(res) * items for (i, res), items in bcast_baseline.items())
             out = self._summary(tally, min_wire, bcast_wire)
+            if wire:  # whole numbers of bytes, summed as floats (`plan.fp8.wire_weights`)
+                _whole_bytes(out)
             if self.mode == "auto":  # which route each class took: bytes, tensors and classes per route
                 out["routes"] = self.route_summary(self.routes)
                 out["routes_by"] = self.class_routes.why
             out["plan_seconds"] = time.perf_counter() - t0
             return out
 
-    def group_wire_bytes(self, groups, itemsizes: list | None = None) -> list:
+    def group_wire_bytes(self, groups, itemsizes: list | None = None, wire: dict | None = None) -> list:
         """The network bytes (`stats()["wire_bytes"]`) of each group of tensors (indices into this plan's
         manifest) when the group is planned on its own, as a refit in staging groups plans each one
         (`Layout.subset`, the same topology and mode): from this plan's class figures, without planning again.
@@ -782,12 +829,13 @@ class Plan:
         beside it. A broadcast's root rotates with the tensor's position in its group's own manifest, so it
         is weighed at that position. The routes are this plan's: in mode auto with link figures, a group
         planned alone lets the cost model choose again, and may choose otherwise for some classes. One group
-        of every tensor is this plan's own wire. `itemsizes`: as for `stats`."""
+        of every tensor is this plan's own wire. `itemsizes`, `wire`: as for `stats`."""
         with no_gc():
             classes, cid = self.classes.index()
             items = itemsizes or self.classes.itemsizes()
+            counts = list(wire.items()) if wire else [(None, items)]
             routes = self.routes
-            reshard: dict[tuple, int] = {}  # (class, route) -> network elements per tensor
+            reshard: dict[tuple, int] = {}  # (class, route, count) -> network units per tensor
             out = []
             for tensors in groups:
                 total = 0
@@ -795,20 +843,23 @@ class Plan:
                     i, route = cid[t], routes[t]
                     if route == Route.BROADCAST:
                         c = classes[i]
-                        wire = c.bcast_wire(pos % c.bn)
-                    else:
-                        wire = reshard.get((i, route))
-                        if wire is None:
-                            col = classes[i].columns(route == Route.DIRECT)
-                            wire = reshard[(i, route)] = col.fixed_loads.wire + col.rotating.wire
-                    total += wire * items[t]
-                out.append(total)
+                        total += c.bcast_wire(pos % c.bn) * items[t]
+                        continue
+                    for count, weights in counts:
+                        if weights[t]:
+                            wire_units = reshard.get((i, route, count))
+                            if wire_units is None:
+                                col = classes[i].columns(route == Route.DIRECT, count)
+                                wire_units = reshard[(i, route, count)] = col.fixed_loads.wire + col.rotating.wire
+                            total += wire_units * weights[t]
+                out.append(round(total))
             return out
 
-    def _group_tensors(self, tally: _Tally, itemsizes: list) -> tuple[dict, dict, int]:
-        """The tensors grouped by (class, route, rotation residue) -> [tensors, Σ item size], and by (class,
-        broadcast residue) -> Σ item size (every tensor, for broadcast_wire_bytes); the minimum wire bytes.
-        Counts each path's tensors and bytes into `tally`."""
+    def _group_tensors(self, tally: _Tally, itemsizes: list, wire: dict | None) -> tuple[dict, dict, dict, int]:
+        """The tensors grouped by (class, route, rotation residue) -> [tensors, Σ bytes per element], and with
+        `wire` the reshard path's other counts by count -> (class, route, residue) -> Σ bytes per unit; by
+        (class, broadcast residue) -> Σ item size (every tensor, for broadcast_wire_bytes); the minimum wire
+        bytes. Counts each path's tensors and bytes into `tally`."""
         classes, cid = self.classes.index()
         groups: dict[tuple, list] = defaultdict(lambda: [0, 0])
         bcast_baseline: dict[tuple, int] = defaultdict(int)
@@ -819,47 +870,72 @@ class Plan:
         numel_of = [c.numel for c in classes]
         reshard, broadcast = tally.per_path["reshard"], tally.per_path["broadcast"]
         path_of = {Route.FORWARD: reshard, Route.DIRECT: reshard, Route.BROADCAST: broadcast}
+        on_wire = wire[None] if wire else itemsizes
         for t, (item, i, route) in enumerate(zip(itemsizes, cid, self.routes)):
-            min_wire += min_wire_of[i] * item
+            min_wire += min_wire_of[i] * on_wire[t]
             bcast_baseline[(i, t % bcast_period[i])] += item
             pp = path_of[route]
             pp["tensors"] += 1
             pp["bytes"] += numel_of[i] * item
-            g = groups[(i, route, t % (bcast_period[i] if route == Route.BROADCAST else period[i]))]
+            bcast = route == Route.BROADCAST
+            g = groups[(i, route, t % (bcast_period[i] if bcast else period[i]))]
             g[0] += 1
-            g[1] += item
-        return groups, bcast_baseline, min_wire
+            g[1] += item if bcast else on_wire[t]
+        extra: dict = {}
+        routes = self.routes
+        for count, weights in (wire or {}).items():
+            if count is None:
+                continue
+            by = extra[count] = defaultdict(int)
+            for t, w in enumerate(weights):
+                if w:
+                    i = cid[t]
+                    min_wire += classes[i].min_wire_of(count) * w
+                    if routes[t] != Route.BROADCAST:
+                        by[(i, routes[t], t % period[i])] += w
+        return groups, extra, bcast_baseline, min_wire
 
-    def _add_loads(self, groups: dict, tally: _Tally) -> None:
-        """Every group's loads into `tally`: broadcast ones per residue; reshard ones per residue only for who
-        sends the rotating entries, the rest (the same at every residue) once per class and route."""
+    def _add_loads(self, groups: dict, extra: dict, tally: _Tally) -> None:
+        """Every group's loads into `tally`: broadcast ones per residue; the reshard path's (`_add_reshard`), and
+        its other counts' (`extra`, from `_group_tensors`)."""
         classes = self.classes.index()[0]
-        per_class: dict[tuple, list] = defaultdict(lambda: [0, 0])  # (class, route) -> Σ over residues
-        send, ideal = tally.send, tally.ideal
+        reshard = {}
         for (i, route, residue), (count, items) in groups.items():
-            c = classes[i]
             if route != Route.BROADCAST:
-                for senders, key, v in c.columns(route == Route.DIRECT).rotating.by_residue:
-                    send[senders[(residue + key) % len(senders)]] += v * items
-                pc = per_class[(i, route)]
-                pc[0] += count
-                pc[1] += items
-            else:
-                loads = c.bcast_loads(residue)
-                tally.add("broadcast", loads, count, items)
-                for r, v in loads.send.items():
-                    ideal[r] += v * items
-        for (i, route), (count, items) in per_class.items():
-            col = classes[i].columns(route == Route.DIRECT)
-            tally.add("reshard", col.fixed_loads, count, items)
-            rot = col.rotating
-            if rot.pieces:
-                tally.add("reshard", _Loads(rot.wire, rot.indomain, rot.pieces, {}, rot.recv), count, items)
-            for r, v in col.ideal.items():
-                ideal[r] += v * items
+                reshard[(i, route, residue)] = (count, items)
+                continue
+            loads = classes[i].bcast_loads(residue)
+            tally.add("broadcast", loads, count, items)
+            for r, v in loads.send.items():
+                tally.ideal[r] += v * items
+        self._add_reshard(reshard, tally, None)
+        for count, by in extra.items():
+            self._add_reshard({key: (0, w) for key, w in by.items()}, tally, count)
         if tally.recv_all:
             for r in self.dst.ranks:
                 tally.recv[r] += tally.recv_all
+
+    def _add_reshard(self, groups: dict, tally: _Tally, count: str | None) -> None:
+        """Reshard-path groups ((class, route, residue) -> (tensors, Σ bytes per unit counted)) into `tally`: per
+        residue only who sends the rotating entries, the rest (the same at every residue) once per class and
+        route."""
+        classes = self.classes.index()[0]
+        per_class: dict[tuple, list] = defaultdict(lambda: [0, 0])  # (class, route) -> Σ over residues
+        send, ideal = tally.send, tally.ideal
+        for (i, route, residue), (n, items) in groups.items():
+            for senders, key, v in classes[i].columns(route == Route.DIRECT, count).rotating.by_residue:
+                send[senders[(residue + key) % len(senders)]] += v * items
+            pc = per_class[(i, route)]
+            pc[0] += n
+            pc[1] += items
+        for (i, route), (n, items) in per_class.items():
+            col = classes[i].columns(route == Route.DIRECT, count)
+            tally.add("reshard", col.fixed_loads, n, items)
+            rot = col.rotating
+            if rot.pieces:
+                tally.add("reshard", _Loads(rot.wire, rot.indomain, rot.pieces, {}, rot.recv), n, items)
+            for r, v in col.ideal.items():
+                ideal[r] += v * items
 
     def _summary(self, tally: _Tally, min_wire: int, bcast_wire: int) -> dict:
         """The figures of `stats` from its tally."""

@@ -23,5 +23,8 @@ PY
 # the watchdog on CUDA: a guarded wait polls events (a long kernel is named, not waited on blindly), and a
 # fault aborts an NCCL communicator from the guard, returning control (examples/gpu/guard_check.py)
 python examples/gpu/guard_check.py | tee "$out/guard.txt"
+# the transport's set-up under the watchdog on NCCL: communicators made up front on the helper thread, polled;
+# a set-up whose peer never comes (silent, or alive but never starting) named at 3 s (examples/gpu/connect_check.py)
+python examples/gpu/connect_check.py | tee "$out/connect.txt"
 # FP8 quantize-on-send on CUDA: bytes against the CPU's, GB/s against a device copy (examples/gpu/fp8_check.py)
 python examples/gpu/fp8_check.py | tee "$out/fp8.txt"

@@ -12,13 +12,27 @@ Ranks are always the refit's ranks (the ones the layouts name). The broadcast pa
 root) are made the same way on both: collectively, in the same order on every rank; over a `GroupComm` each is
 a stand-alone ProcessGroup of its members only, rendezvoused on the refit group's store under a prefix of its
 own, so no global state of torch.distributed is touched.
+
+With a watchdog (`guard`), every wait on the group's traffic is bounded by its stall limit, on both comms: on
+CPU (gloo) it runs on the guard's helper thread while the caller polls (`Guard.run_aside`: gloo's wait on a
+stopped peer ends only at the group's timeout, whatever is shut down); on CUDA (NCCL) it runs on the caller's
+thread, where the monitor's abort ends it, and the host blocks only in a polled synchronize (`Guard.sync`).
+
+The transport's set-up is made up front under the watchdog too (`connect`): a pair's first message and a
+group's first collective create their communicators (NCCL: a store get, then ncclCommInitRank, on whichever
+thread calls), so when a refit group forms, when a sub-group is made and when an engine is built (the pairs
+its schedule uses) one tiny collective or message per group and pair runs on the helper thread, in one global
+order (groups in the order they were made, then pairs by their lower rank), each step said on the group's
+store first. A peer that dies or stalls meanwhile is named at the stall limit; a step that makes no progress
+for `link_limit` seconds names the rank that holds it up (followed from rank to rank on the store).
 """
 from __future__ import annotations
 
 import gc
 import pickle
-import threading
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from datetime import timedelta
 from typing import Callable
@@ -27,11 +41,16 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, RuntimeFailure
-from reshard_cli.transfer.watchdog import Fault, GroupBroken, Guard, Watchdog, _end, stale
+from reshard_cli.transfer.rendezvous import (abort_group, check_in, connect_store,  # noqa: F401
+                                             release_aside, world_guard)  # (abort_group, world_guard: re-exported)
+from reshard_cli.transfer.watchdog import Fault, GroupBroken, Guard, Watchdog, _end
 
 STALL = 10.0  # seconds without a heartbeat after which a refit group's peer is named as stalled (at most; half
 # the group's timeout when that is shorter, so the watchdog speaks before the transport times out); heartbeats
 # come every second on a store client of their own, so a busy rank still beats
+LINK_LIMIT = 120.0  # seconds one step of setting up the transport may go without progress over the default group
+# before the rank holding it up is named (a refit group: half its timeout); a dead or stopped peer: the stall limit
+CPU = torch.device("cpu")
 
 
 class _Comm:
@@ -40,7 +59,10 @@ class _Comm:
     rank (`GroupBroken`), instead of at the timeout."""
 
     guard: Guard | None = None
-    device = torch.device("cpu")  # where the group's collectives run (cuda: NCCL)
+    device = CPU  # where the group's collectives run (cuda: NCCL)
+    link_limit = LINK_LIMIT  # see `connect`
+    _links = 0  # engine set-ups linked so far (collective: the same count on every rank)
+    _linked: frozenset = frozenset()  # the peers this rank's transport is set up with
 
     def run(self, fn, *args):
         """A blocking call on the group (a wait, a collective), guarded when the group has a watchdog."""
@@ -51,19 +73,48 @@ class _Comm:
         guarded from a helper thread."""
         return fn(*args) if self.guard is None else self.guard.run_aside(fn, *args)
 
-    def _work(self, op, *args) -> "_Work":
-        return _Work(self, op(*args) if self.guard is None else self.guard.post(op, *args))
+    def _blocking(self, device: torch.device, fn, *args):
+        """A blocking call on the group's traffic over `device`, guarded: on CUDA (NCCL) on this thread, where
+        the monitor's abort ends it; on CPU (gloo) on the helper thread (see `wait`)."""
+        if self.guard is None:
+            return fn(*args)
+        return self.guard.run(fn, *args) if device.type == "cuda" else self.guard.run_aside(fn, *args)
 
-    def wait(self, work) -> None:
-        """The end of a message or collective. On CUDA (NCCL) a wait only orders the current stream after it;
-        the host blocks in `synchronize`, where the watchdog polls. On CPU (gloo) it blocks on the helper
-        thread while this one polls: gloo's wait on a stopped peer (SIGSTOP: its connection stays open) ends
-        only at the group's timeout, and shutting the group down does not end it, so the caller leaves it
-        there (a daemon, ended by that timeout) and raises the watchdog's line at the stall limit."""
-        if self.device.type == "cuda":
+    def _work(self, device: torch.device, op, *args) -> "_Work":
+        return _Work(self, op(*args) if self.guard is None else self.guard.post(op, *args), device)
+
+    def wait(self, work, device: torch.device | None = None) -> None:
+        """The end of a message or collective over `device` (default: the group's). On CUDA (NCCL) a wait only
+        orders the current stream after it; the host blocks in `synchronize`, where the watchdog polls. On CPU
+        (gloo) it blocks on the helper thread while this one polls: gloo's wait on a stopped peer (SIGSTOP: its
+        connection stays open) ends only at the group's timeout, and shutting the group down does not end it,
+        so the caller leaves it there (a daemon, ended by that timeout) and raises the watchdog's line at the
+        stall limit."""
+        if (device or self.device).type == "cuda":
             work.wait()
         else:
             self._aside(work.wait)
+
+    def connect(self, peers=(), *, groups=(), tag: str | None = None) -> None:
+        """Set up the transport before the first byte, under the watchdog: this rank's side of the pair with
+        each of `peers`, and each of `groups` ((member ranks, process group), this rank a member; in the same
+        order on every member). Collective over the ranks of each step; pairs already set up are skipped. `tag`:
+        the steps' names on the store, the same on every rank (default: the next engine set-up's). Without a
+        watchdog nothing is done (the transport sets itself up on first use)."""
+        if tag is None:
+            self._links += 1
+            tag = f"engine/{self._links}"
+        if self.guard is None:
+            return
+        pairs = sorted((min(self.rank, p), max(self.rank, p)) for p in set(peers) - self._linked - {self.rank})
+        steps = [_Step(tuple(m), pg) for m, pg in groups] + [_Step(p) for p in pairs]
+        if not steps:
+            return
+        links = _Links(self, tag, self.device)
+        event = self.guard.run_aside(links.run, steps, overdue=links.overdue)
+        self._linked = self._linked | {b if a == self.rank else a for a, b in pairs}
+        if event is not None:
+            self.guard.sync(event, what="setting up the transport")
 
     def synchronize(self, device=None, *, what: str = "the transfer") -> None:
         """Block the host until the work queued on `device`'s current stream is done (CUDA; nothing on CPU):
@@ -113,7 +164,11 @@ class _Comm:
 
 
 class WorldComm(_Comm):
-    """The default process group (guarded while `reshard run`'s launcher holds the job: `watch`)."""
+    """The default process group (guarded while `reshard run`'s launcher holds the job: `watch`; a `Refit`
+    over a group nobody guards keeps one of its own). Guarded, every wait is bounded by the stall limit: gloo's
+    run on the helper thread, NCCL's on this one (see `_Comm`)."""
+
+    _subs = 0  # sub-groups made (collective: every rank calls new_group, in the same order)
 
     @property
     def rank(self) -> int:
@@ -123,38 +178,66 @@ class WorldComm(_Comm):
     def size(self) -> int:
         return dist.get_world_size()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the default group's own collectives (objects, barriers) run: this rank's GPU under NCCL."""
+        try:
+            kind = dist.distributed_c10d._get_object_coll_device()
+        except Exception:  # noqa: BLE001 - no group yet, or a version without it: by the backend's name
+            kind = "cuda" if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower() else "cpu"
+        return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else CPU
+
     def isend(self, t: torch.Tensor, peer: int):
-        return self._work(dist.isend, t, peer)
+        return self._work(t.device, dist.isend, t, peer)
 
     def irecv(self, t: torch.Tensor, peer: int):
-        return self._work(dist.irecv, t, peer)
+        return self._work(t.device, dist.irecv, t, peer)
 
     def new_group(self, ranks: list[int]):
-        group = dist.new_group(ranks)
-        if self.guard is not None and group is not None:
-            self.guard.abortables.append(group)
+        """Collective (every rank, same order); guarded (its members connect over the store), and its own
+        communicators set up at once on its members (`connect`)."""
+        members = sorted(set(ranks))
+        self._subs += 1
+        group = self._aside(dist.new_group, members)
+        if self.rank in members:
+            if self.guard is not None:
+                self.guard.abortables.append(group)
+            self.connect(groups=[(members, group)], tag=f"sub/{self._subs}")
         return group
 
+    def _send(self, t: torch.Tensor, peer: int):
+        return dist.isend(t, peer)
+
+    def _recv(self, t: torch.Tensor, peer: int):
+        return dist.irecv(t, peer)
+
+    def _all_reduce(self, t: torch.Tensor, group):
+        return dist.all_reduce(t, group=group, async_op=True)
+
     def broadcast(self, t: torch.Tensor, root: int, group) -> None:
-        self.run(partial(dist.broadcast, t, src=root, group=group))
+        self._blocking(t.device, partial(dist.broadcast, t, src=root, group=group))
 
     def barrier(self) -> None:
-        self.run(dist.barrier)
+        self._blocking(self.device, dist.barrier)
 
     def all_gather_object(self, obj, *, what: str = "") -> list:
-        out: list = [None] * self.size
-        self.run(dist.all_gather_object, out, _tagged(what, obj))  # (on NCCL it reads sizes on the host: its
-        return _untag(out, what, self.rank)  # helper thread blocks there, the caller polls the watchdog)
+        out: list = [None] * self.size  # (NCCL: it reads sizes on the host, on this thread: the monitor's abort
+        self._blocking(self.device, dist.all_gather_object, out, _tagged(what, obj))  # ends a blocked read)
+        return _untag(out, what, self.rank)
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        """`t` reduced over every rank, in place (a host tensor's value is ready on return)."""
+        self._blocking(t.device, partial(dist.all_reduce, t, op=op))
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
-        self.run(partial(dist.all_reduce, t, op=dist.ReduceOp.MAX))
+        self.all_reduce(t, dist.ReduceOp.MAX)
         self.synchronize(t.device, what="a collective")
 
     def watch(self, guard: Guard | None) -> None:
         """Guard the default group's waits with `guard` (None: stop)."""
         if self.guard is not None and guard is None:
             self.guard.close()
-        self.guard = guard
+        self.guard, self._linked = guard, frozenset()  # a new job's group: no pair is set up yet
 
 
 class GroupComm(_Comm):
@@ -166,6 +249,7 @@ class GroupComm(_Comm):
         self.device = torch.device(device)  # where the group's own small tensors live (cuda for NCCL)
         self.guard = guard
         self._store, self.timeout = store, timeout  # the store sub-groups rendezvous on
+        self.link_limit = timeout / 2  # a set-up step is named before the transport's own timeout
         self._subgroups: dict[tuple, SubGroup | None] = {}  # member ranks -> this rank's sub-group (None: not in it)
         if guard is not None and pg is not None:
             guard.abortables.append(pg)
@@ -179,10 +263,19 @@ class GroupComm(_Comm):
         return self._size
 
     def isend(self, t: torch.Tensor, peer: int):
-        return self._work(self.pg.send, [t], peer, 0)
+        return self._work(t.device, self.pg.send, [t], peer, 0)
 
     def irecv(self, t: torch.Tensor, peer: int):
-        return self._work(self.pg.recv, [t], peer, 0)
+        return self._work(t.device, self.pg.recv, [t], peer, 0)
+
+    def _send(self, t: torch.Tensor, peer: int):
+        return self.pg.send([t], peer, 0)
+
+    def _recv(self, t: torch.Tensor, peer: int):
+        return self.pg.recv([t], peer, 0)
+
+    def _all_reduce(self, t: torch.Tensor, pg):
+        return pg.allreduce([t])
 
     def close(self) -> None:
         """End the group for good: its process groups and sub-groups shut down (NCCL's aborted), the heartbeat
@@ -196,7 +289,7 @@ class GroupComm(_Comm):
         pg = None  # noqa: F841 - the loop's last reference
         self.pg, self._store, self._subgroups, self.guard = None, None, {}, None
         if stuck:  # a wait still blocked on a stopped peer: the last references dropped on a thread of their own
-            _release_aside(pgs)
+            release_aside(pgs)
         pgs.clear()
         if broken:  # the error's frames refer back to the group (a cycle): collected now, so its sockets and
             gc.collect()  # rank 0's store close here, not at some later collection
@@ -233,6 +326,8 @@ class GroupComm(_Comm):
             if self.guard is not None:
                 self.guard.abortables.append(sub.pg)
         self._subgroups[members] = sub
+        if sub is not None:  # its communicators, now and under the watchdog
+            self.connect(groups=[(members, sub.pg)], tag=prefix.removeprefix("reshard-"))
         return sub
 
     def _make_pg(self, store, rank: int, size: int):
@@ -314,11 +409,113 @@ class SubGroup:
 class _Work:
     """A message of a comm, whose wait the comm's watchdog can end."""
 
-    def __init__(self, comm: _Comm, work):
-        self.comm, self.work = comm, work
+    __slots__ = ("comm", "work", "device")
+
+    def __init__(self, comm: _Comm, work, device: torch.device):
+        self.comm, self.work, self.device = comm, work, device
 
     def wait(self) -> None:
-        self.comm.wait(self.work)
+        self.comm.wait(self.work, self.device)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step of setting up the transport: a pair of ranks (lower first), or a group's members and process
+    group."""
+
+    members: tuple
+    pg: object = None
+
+    @property
+    def key(self) -> str:
+        return ("g" if self.pg is not None else "p") + "-".join(map(str, self.members))
+
+    def what(self, rank: int, size: int, who) -> str:
+        """The step as `rank` takes part in it ("with refit rank 3")."""
+        if self.pg is None:
+            return "with " + who(self.members[1] if self.members[0] == rank else self.members[0])
+        if len(self.members) == size:
+            return "for the whole group"
+        return f"for the sub-group of ranks {', '.join(map(str, self.members))}"
+
+
+def _link(comm: _Comm, links: "_Links", step: _Step, device: torch.device) -> None:
+    """One step of setting up the transport, on the helper thread: a group's first collective, or a pair's
+    first message (the lower rank sends), each making its communicators (NCCL); said on the store first."""
+    links.enter(step)
+    t = torch.zeros(1, device=device)
+    if step.pg is not None:
+        comm._all_reduce(t, step.pg).wait()
+    elif comm.rank == step.members[0]:
+        comm._send(t, step.members[1]).wait()
+    else:
+        comm._recv(t, step.members[0]).wait()
+
+
+class _Links:
+    """One `connect`: its steps on the helper thread, each said on the group's store (`at/<rank>`: the step this
+    rank is in; `<tag>/<step>/in/<rank>`: this rank is past its own part, in the transport). `overdue`, on the
+    caller's thread: once the current step has made no progress for the comm's link limit, the rank that
+    holds it up, followed from rank to rank through the steps they are in."""
+
+    def __init__(self, comm: _Comm, tag: str, device: torch.device):
+        self.comm, self.tag, self.device = comm, tag, device
+        self.watchdog = comm.guard.watchdog
+        self.store = self.watchdog.store
+        self.step: _Step | None = None
+        self.since = time.monotonic()
+
+    def run(self, steps: list) -> "torch.cuda.Event | None":
+        me = self.comm.rank
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            for step in steps:
+                self.step, self.since = step, time.monotonic()
+                self.store.set(f"link/at/{me}", f"{self.tag}/{step.key}|{','.join(map(str, step.members))}")
+                try:
+                    _link(self.comm, self, step, self.device)
+                except Exception as e:  # noqa: BLE001 - whose fault it was: the guard asks the watchdog
+                    what = step.what(me, self.comm.size, self.watchdog.who)
+                    raise RuntimeError(f"setting up its transport {what}: {type(e).__name__}: {e}") from e
+            self.step = None
+            self.store.set(f"link/at/{me}", "done")
+            if self.device.type != "cuda":
+                return None
+            event = torch.cuda.Event()
+            event.record()
+            return event
+
+    def enter(self, step: _Step) -> None:
+        self.store.set(f"link/{self.tag}/{step.key}/in/{self.comm.rank}", "1")
+
+    def overdue(self) -> Fault | None:
+        step = self.step
+        if step is None or time.monotonic() - self.since < self.comm.link_limit:
+            return None
+        try:
+            return self._blame(f"{self.tag}/{step.key}", step)
+        except Exception:  # noqa: BLE001 - the store is gone: the watchdog names its host
+            return None
+
+    def _blame(self, key: str, step: _Step) -> Fault:
+        who, limit, seen = self.watchdog.who, f"{self.comm.link_limit:.0f}", set()
+        while True:
+            seen.add(key)
+            late = [r for r in step.members if not self.store.check([f"link/{key}/in/{r}"])]
+            if not late:  # every member is in the transport, which did not finish
+                names = " and ".join(who(r) for r in step.members[:4])
+                return Fault(f"{names}: setting up the transport between them did not finish within {limit} s "
+                             f"(every one of them was in it)", step.members)
+            r = late[0]
+            at = self.store.get(f"link/at/{r}").decode() if self.store.check([f"link/at/{r}"]) else ""
+            where, _, members = at.partition("|")
+            if where == key:  # stuck in its own part of this step
+                return Fault(f"{who(r)}: setting up its transport {step.what(r, self.comm.size, who)} did not "
+                             f"finish within {limit} s", (r,))
+            if where in seen or not members:  # busy elsewhere (not setting up), or a cycle: it is the one
+                return Fault(f"{who(r)}: did not reach setting up its transport {step.what(r, self.comm.size, who)} "
+                             f"within {limit} s", (r,))
+            grouped = where.rpartition("/")[2].startswith("g")  # a group's step: its process group is not needed
+            key, step = where, _Step(tuple(int(m) for m in members.split(",")), True if grouped else None)
 
 
 def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 300.0,
@@ -333,11 +530,11 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     checked in, with that reason, instead of a timeout. `names`: what each rank is ("vLLM replica 1 worker 0"),
     for the line that names the ranks that never came."""
     device = torch.device(device)
-    store = _connect(host, port, rank, size, timeout)
+    store = connect_store(host, port, rank, size, timeout)
     prefixed = dist.PrefixStore("reshard-refit", store)
     watchdog = Watchdog(store, rank, size, stall=min(timeout / 2, STALL) if stall is None else stall)
     try:
-        _check_in(prefixed, rank, size, timeout, abort, names)
+        check_in(prefixed, rank, size, timeout, abort, names)
     except dist.DistError as e:  # rank 0 left (an abort whose reason came too late here), or its host died
         watchdog.close()
         raise RuntimeFailure(f"refit group: rank 0's store at {host}:{port} went away while rank {rank} was "
@@ -352,136 +549,12 @@ def refit_group(host: str, port: int, rank: int, size: int, *, timeout: float = 
     watchdog.start()
     try:  # the rendezvous is guarded too: a store that goes away under it (rank 0 failed) ends it in seconds
         comm.pg = comm._aside(comm._make_pg, prefixed, rank, size)  # the store (on rank 0, its server) lives as
-    except BaseException:  # long as the group
+        comm.guard.abortables.append(comm.pg)  # long as the group
+        comm.connect(groups=[(tuple(range(size)), comm.pg)], tag="group")  # its communicators: now, guarded
+    except BaseException:
         comm.close()
         raise
-    comm.guard.abortables.append(comm.pg)
     return comm
 
 
-_RELEASING: set = set()  # threads dropping a broken group's process groups (`_release_aside`)
-
-
-def _release_aside(pgs: list) -> None:
-    """Drop the last references to a broken group's process groups on a daemon thread: destroying a gloo group
-    whose collective is still blocked on a stopped peer (SIGSTOP: its connections stay open) waits for that
-    collective's timeout, and the caller must not (the fleet's survivors resume in a new group meanwhile).
-    Rank 0's store, which the group holds, is freed when the thread ends; a new group on its port waits for it
-    (`_connect`). A process that exits meanwhile leaves the thread, and the group, as they are."""
-    def release(held: list) -> None:
-        held.clear()  # the destructors run here
-        _RELEASING.discard(threading.current_thread())
-
-    thread = threading.Thread(target=release, args=(list(pgs),), daemon=True, name="reshard-release")
-    pgs.clear()
-    _RELEASING.add(thread)
-    thread.start()
-
-
-def _connect(host: str, port: int, rank: int, size: int, timeout: float):
-    """The group's store: rank 0 serves it, the others connect. A store that still answers for a group that is
-    over (closed or given up; its host has not stopped it yet) is left, and the connection tried again, until
-    `timeout`: the same host:port serves one group after another."""
-    deadline = time.monotonic() + timeout
-    collected = False
-    while True:
-        left = max(deadline - time.monotonic(), 1.0)
-        try:
-            store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=left),
-                                  wait_for_workers=False)
-        except (dist.DistStoreError, RuntimeError) as e:  # a port in use, or no rank 0 listening in time
-            if rank == 0 and not collected and "EADDRINUSE" in str(e):  # this process's own earlier group,
-                collected = True  # kept alive only by a reference cycle (an exception's frames): collect it
-                gc.collect()
-                continue
-            if rank == 0 and _RELEASING and "EADDRINUSE" in str(e):  # or a broken one still being released
-                for thread in list(_RELEASING):
-                    thread.join(timeout=max(deadline - time.monotonic(), 0.0))
-                gc.collect()  # what the blocked collective's end left in cycles (its error's frames)
-                if time.monotonic() < deadline:
-                    continue
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            where = "could not listen on" if rank == 0 else "could not reach rank 0's store at"
-            raise RuntimeFailure(f"refit group: rank {rank} {where} {host}:{port} within {timeout:.0f} s "
-                                 f"({first})") from None
-        try:
-            if rank == 0 or not stale(store):
-                return store
-        except dist.DistError:  # it went away as this rank looked: the next one is the new group's
-            pass
-        del store
-        if time.monotonic() > deadline:
-            raise RuntimeFailure(f"refit group: rank {rank} found only a finished group's store at {host}:{port} "
-                                 f"within {timeout:.0f} s (its host never served a new one)")
-        time.sleep(0.2)
-
-
-ABORT_GRACE = 10.0  # seconds rank 0 keeps its store up after an abort, for peers still on their way to read it
-
-
-def abort_group(host: str, port: int, reason: str, *, rank: int | None = None, timeout: float = 60.0) -> None:
-    """Tell every process joining the refit group at host:port that it will not form, and why: from a process
-    that cannot join it (an engine worker that is not the layout's; `rank` when it has one). Nobody listening
-    within `timeout`: nobody to tell."""
-    try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False)
-        prefixed = dist.PrefixStore("reshard-refit", store)
-        prefixed.set("abort", reason)
-        if rank is not None:
-            prefixed.set(f"seen/{rank}", "1")
-    except (dist.DistError, RuntimeError):
-        pass
-
-
-def _check_in(store, rank: int, size: int, timeout: float, abort, names=None) -> None:
-    store.set(f"in/{rank}", "1")
-    deadline = time.monotonic() + timeout
-    while True:
-        reason = store.get("abort").decode() if store.check(["abort"]) else None
-        if reason is None and abort is not None and (reason := abort()):
-            store.set("abort", reason)
-        if reason:
-            _abandon(store, rank, size, min(timeout, ABORT_GRACE))
-            raise RuntimeFailure(f"refit group: {reason}")
-        if store.check([f"in/{r}" for r in range(size)]):
-            return
-        if time.monotonic() > deadline:
-            missing = [r for r in range(size) if not store.check([f"in/{r}"])]
-            who = ", ".join(f"{r} ({names(r)})" for r in missing) if names else ", ".join(map(str, missing))
-            raise RuntimeFailure(f"refit group: rank(s) {who} did not join within {timeout:.0f} s")
-        time.sleep(0.05)
-
-
-def _abandon(store, rank: int, size: int, grace: float) -> None:
-    """Leave a check-in that was aborted. Rank 0 serves the store: it stays until every peer has read the
-    reason (or `grace` seconds), so a peer that connects late learns it instead of waiting for a store that is
-    gone."""
-    store.set(f"seen/{rank}", "1")
-    if rank != 0:
-        return
-    until = time.monotonic() + grace
-    while time.monotonic() < until and not store.check([f"seen/{r}" for r in range(size)]):
-        time.sleep(0.05)
-
-
 WORLD = WorldComm()
-
-
-def world_guard(device: torch.device | None, *, stall: float, label: str, prefix: str = "") -> Guard | None:
-    """A watchdog over the default process group, on the store it was made with when the job set it up from
-    the environment (torchrun, or MASTER_ADDR/MASTER_PORT: a client connection of its own); None when it did
-    not. Its heartbeat key exists at once; start it (`Watchdog.start`) once every rank has made its own (after
-    a collective). A fault shuts the default group down: a wait blocked in it ends. `prefix`: keys of their
-    own on that store."""
-    import os
-
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not addr or not port or not dist.is_initialized():
-        return None
-    client = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=60))
-    watchdog = Watchdog(client, dist.get_rank(), dist.get_world_size(), stall=stall, label=label, prefix=prefix)
-    watchdog.store_client = client  # kept alive with the watchdog
-    guard = Guard(watchdog, device if device is not None and device.type == "cuda" else None)
-    guard.abortables.append(dist.group.WORLD)
-    return guard

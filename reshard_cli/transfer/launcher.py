@@ -16,7 +16,6 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -231,5 +230,5 @@ def sync(device: torch.device) -> None:
 
 def allreduce_int(n: int, op=dist.ReduceOp.MAX) -> int:
     t = torch.tensor([n], dtype=torch.int64)
-    WORLD.run(partial(dist.all_reduce, t, op=op))
+    WORLD.all_reduce(t, op)
     return int(t.item())

@@ -120,7 +120,8 @@ class Refit:
     def __init__(self, role: str, *, src: str | Path | Layout | None = None, dst: str | Path | Layout | None = None,
                  topology: str | Path | Topology | None = None, mode: str = "auto", bucket_mb: float = 64,
                  reshard_match: str | None = None, device: torch.device | str | None = None,
-                 group: GroupComm | None = None, stage_mb: float | None = None, who: str = ""):
+                 group: GroupComm | None = None, stage_mb: float | None = None, who: str = "",
+                 stall: float = STALL):
         """`group`: a refit group of its own (`transfer.comm.refit_group`) instead of the default process group,
         for processes whose default group belongs to someone else (an inference engine's workers). Ranks in
         the layouts, and a DTensor mesh's ranks, are then the group's ranks; every mode and topology runs over
@@ -131,7 +132,12 @@ class Refit:
         verified, and committed (a destination's `Stage`) only after every rank of the refit agreed that it
         arrived intact; any rank's failure aborts that group everywhere and raises `RefitFailed` on every rank.
         Every rank must pass the same value. None (the default): one group, no agreement rounds. `who`: what
-        this rank is, in such errors ("trainer 1", "vLLM worker 0")."""
+        this rank is, in such errors ("trainer 1", "vLLM worker 0").
+
+        `stall`: over the default group, the seconds a rank may go without a heartbeat before every other rank
+        names it and the refit ends (the watchdog this Refit keeps over a job nobody else guards; every wait
+        of the refit is bounded by it). A refit group keeps the limit it was made with (`refit_group(stall=)`).
+        Every rank should pass the same value."""
         if role not in ("src", "dst", "idle"):
             raise ConfigError(f"role must be 'src', 'dst' or 'idle', not {role!r}", key="role")
         if group is None and not dist.is_initialized():
@@ -146,7 +152,7 @@ class Refit:
         self.rank = self.comm.rank
         self.calls = 0  # refits run (the key of what a destination records as committed)
         try:
-            self._configure(src, dst, topology, mode, bucket_mb, reshard_match, device, stage_mb)
+            self._configure(src, dst, topology, mode, bucket_mb, reshard_match, device, stage_mb, stall)
         except ReshardError as e:  # the peers' first collective is set-up's: they learn it there and name this
             try:  # rank, instead of pairing with whatever this program does next
                 self.comm.all_gather_object({"failed": str(e), "code": e.exit_code}, what=_SETUP)
@@ -154,9 +160,13 @@ class Refit:
                 pass  # the group broke meanwhile: this rank's own error says more
             raise
 
-    def _configure(self, src, dst, topology, mode, bucket_mb, reshard_match, device, stage_mb) -> None:
+    def _configure(self, src, dst, topology, mode, bucket_mb, reshard_match, device, stage_mb, stall) -> None:
         if stage_mb is not None and stage_mb < 0:
             raise ConfigError(f"stage_mb must be 0 (one group) or a budget in MiB, not {stage_mb}", key="stage_mb")
+        if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not 0 < stall < float("inf"):
+            raise ConfigError(f"stall must be a positive number of seconds, not {stall!r}", key="stall")
+        self.stall = float(stall)
+        self._closed = False  # close() was called: every later call raises
         if isinstance(src, (str, Path)) and isinstance(dst, (str, Path)):
             self._src, self._dst = load_pair(src, dst)  # dst ranks default to right after src
         else:
@@ -263,8 +273,11 @@ class Refit:
         return out
 
     def close(self) -> None:
-        """Stop the watchdog this refit keeps over the default group, if it keeps one (also done when the
-        Refit is collected, and at exit)."""
+        """End this Refit: stop the watchdog it keeps over the default group, if it keeps one (also done when
+        it is collected, and at exit), and let its plan and engines go. A later call raises one line instead
+        of waiting on heartbeats that have stopped: make a new Refit to refit again."""
+        self._closed = True
+        self.plan, self.parts = None, []  # a later call goes through set-up, which refuses it
         if self._guard is not None:
             self._guard_closer()
             self._guard = None
@@ -276,18 +289,22 @@ class Refit:
         if self._world_refit is None or WORLD.guard is not None:
             return None
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restart
-        return world_guard(self.device, stall=STALL, label="refit rank",
+        return world_guard(self.device or WORLD.device, stall=self.stall, label="refit rank",
                            prefix=f"reshard-refit/{restart}/{self._world_refit}/")
 
     def _setup(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        if self._closed:
+            raise ConfigError(f"{self._me()}: this Refit was closed (Refit.close): make a new Refit to refit again")
         specs = {name: _spec_of(name, x) for name, x in tensors.items()}
         try:
             guard = self._watch_world()
         except Exception:  # noqa: BLE001 - the job's store cannot be reached from here: no watchdog, agreed below
             guard = None
         try:
-            gathered = self.comm.all_gather_object((self.role, specs, guard is not None), what=_SETUP)
+            gathered = self.comm.all_gather_object((self.role, specs, guard is not None, self.who or self.role),
+                                                   what=_SETUP)
             watched = all(isinstance(g, tuple) and g[2] for g in gathered)
+            roles = [g[3] if isinstance(g, tuple) and len(g) > 3 else "" for g in gathered]
             gathered = [g[:2] if isinstance(g, tuple) else g for g in gathered]
             if guard is not None and not watched:  # a watchdog only if every rank has one (a rank without
                 guard.close()  # would never beat, and be named)
@@ -296,12 +313,13 @@ class Refit:
                 guard.watchdog.start()
                 self.comm, self._guard = WorldComm(), guard
                 self.comm.guard = guard
+                self.comm.name_ranks(roles)  # its lines say what each rank is: "refit rank 2 (dst)"
                 self._guard_closer = weakref.finalize(self, guard.close)
             self._plan_from(gathered)
         except BaseException:
-            if guard is not None:  # set-up failed on every rank alike: nothing of this refit runs
-                self.close() if self._guard is not None else guard.close()
-                self.comm = WORLD
+            if guard is not None:  # set-up failed on every rank alike: nothing of this refit runs (a later
+                (self._guard_closer if self._guard is not None else guard.close)()  # call sets up again)
+                self.comm, self._guard = WORLD, None
             raise
 
     def _plan_from(self, gathered: list) -> None:

@@ -6,7 +6,8 @@ to open, an output to write, a report to print); the steps are here:
             model chose)
   load      `source_shards` / `destination_buffers`: this rank's shards read from a source, and its
             sentinel-filled destination buffers
-  engine    `build_engine`: the rank's executor, its groups set up (collective)
+  engine    `build_engine`: the rank's executor, its groups and its transport to every peer set up
+            (collective; under the group's watchdog)
   link      `LinkLimit`: the plan's traffic as raw concurrent send/recv, the most this backend can do for it
   time      `Measure` / `rounds` / `slowest`: runs between barriers, the slowest rank's time per run
   verify    `Expected`: exact expected values of a synthetic source's destination shards, wrong elements counted
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from functools import partial
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -78,11 +78,29 @@ def destination_buffers(layout: Layout, rank: int, device: torch.device) -> dict
 
 def build_engine(plan: Plan, rank: int, src_shards: dict, dst_shards: dict, options: TransferOptions,
                  device: torch.device, *, comm=None, progress: Callable[[int], None] | None = None) -> Engine:
-    """Collective (every rank of the group, same order): the rank's executor of `plan`, its groups set up."""
+    """Collective (every rank of the group, same order): the rank's executor of `plan`, its groups set up, and
+    the transport to every peer its schedule exchanges messages with (their communicators, under NCCL), now
+    and under the group's watchdog rather than on the first message (`Comm.connect`)."""
     extra = {} if comm is None else {"comm": comm}
     engine = Engine(plan, rank, src_shards, dst_shards, options=options, device=device, progress=progress, **extra)
     engine.setup_groups()
+    engine.comm.connect(peers_of(engine))
     return engine
+
+
+def peers_of(engine: Engine) -> set[int]:
+    """The ranks `engine`'s schedule exchanges messages with: its reshard path's, and the broadcast path's
+    gathers (a root receives from the holders of its pack's pieces, each holder sends to the root)."""
+    peers = {op.peer for op in engine.ops}
+    for pack in engine.packs:
+        for bc, _off in pack.tensors:
+            holders = {s for s, _box in bc.gather}
+            if bc.root == engine.rank:
+                peers |= holders
+            elif engine.rank in holders:
+                peers.add(bc.root)
+    peers.discard(engine.rank)
+    return peers
 
 
 # ------------------------------------------------------------------------------------------------- link
@@ -161,7 +179,7 @@ def slowest(measures: list[Measure]) -> list[list[float]]:
     if not measures:
         return []
     times = torch.tensor([m.times for m in measures], dtype=torch.float64)
-    WORLD.run(partial(dist.all_reduce, times, op=dist.ReduceOp.MAX))
+    WORLD.all_reduce(times, dist.ReduceOp.MAX)
     return times.tolist()
 
 

@@ -145,8 +145,7 @@ def _discover_topology(world: int):
     key = None
     with launcher.collected("discovering the topology"):
         key = nvml.rank_domain_key(nvml.discover(), int(os.environ.get("LOCAL_RANK", "0")))
-    keys: list = [None] * world
-    dist.all_gather_object(keys, key)
+    keys = WORLD.all_gather_object(key, what="discovering the topology")  # guarded while the launcher watches
     return nvml.domains_from_keys(keys)
 
 

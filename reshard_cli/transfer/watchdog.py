@@ -24,7 +24,8 @@ peers waiting for bytes that will not come. So a refit group carries a watchdog 
               (`Guard.abortables`: NCCL's abort), so no kernel stays blocked and the process survives.
 
 After a `GroupBroken` the group is not used again: its process groups are shut down (NCCL aborted), which
-also ends a helper thread still blocked in the transport; the next refit joins a new group.
+also ends a helper thread still blocked in the transport; the next refit joins a new group. A guard that was
+closed (its group is over) refuses every later wait with one line instead of watching heartbeats that stopped.
 
 The same watchdog runs over a torchrun job's own store in `reshard run` (the launcher's `process_group`), where
 the waits are the default group's (`comm.WorldComm`).
@@ -201,12 +202,14 @@ class Guard:
     been blocked; on a fault it gives the group up, which ends its process groups (`abortables`: NCCL's
     abort, gloo's shutdown) and so the blocked call, which then raises the fault's line. `run_aside(fn)`: a
     call that ending the process groups cannot end (a rendezvous waiting on the store, a gloo wait on a
-    stopped peer) runs on a helper thread while the caller polls the watchdog itself."""
+    stopped peer) runs on a helper thread while the caller polls the watchdog itself. Once closed, neither
+    starts its thread again: every later call raises one line."""
 
     def __init__(self, watchdog: Watchdog, device=None):
         self.watchdog = watchdog
         self.device = device  # a CUDA device: the helper thread works on it too
         self.broken: GroupBroken | None = None
+        self.closed = False  # set by close(): the heartbeats have stopped, nothing may wait on them again
         self.abortables: list = []
         self._lock = threading.Lock()  # one fault gives the group up, from the caller or from the monitor
         self._blocked_since: float | None = None  # when the caller's current `run` began
@@ -222,6 +225,7 @@ class Guard:
         if self.broken is not None:
             raise self.broken
         if self._monitor_thread is None:
+            self._refuse_closed()
             self._monitor_thread = threading.Thread(target=self._monitor, daemon=True,
                                                     name=f"reshard-monitor-{self.watchdog.rank}")
             self._monitor_thread.start()
@@ -250,12 +254,14 @@ class Guard:
                 except GroupBroken:
                     pass  # the blocked call raises it
 
-    def run_aside(self, fn, *args):
+    def run_aside(self, fn, *args, overdue=None):
         """`fn(*args)` on the helper thread while this thread polls the watchdog: for a call that ending the
-        process groups cannot end (a rendezvous on the store)."""
+        process groups cannot end (a rendezvous on the store, a gloo wait). `overdue`: asked at each poll, a
+        Fault once the call has taken too long (its line names the rank it waits on), else None."""
         if self.broken is not None:
             raise self.broken
         if self._calls is None:
+            self._refuse_closed()
             self._calls = queue.SimpleQueue()
             self._helper_thread = threading.Thread(target=self._helper, args=(self._calls,), daemon=True,
                                                    name=f"reshard-wait-{self.watchdog.rank}")
@@ -267,7 +273,7 @@ class Guard:
             try:
                 return done.result(timeout=POLL)
             except FutureTimeout:
-                fault = self.watchdog.check()
+                fault = self.watchdog.check() or (overdue() if overdue is not None else None)
                 if fault and not done.done():  # an operation that has just finished is not given up
                     self.fail(fault)
             except GroupBroken:
@@ -297,6 +303,7 @@ class Guard:
         end). `what`: the work, for the line when this rank is the one that fails."""
         if self.broken is not None:
             raise self.broken
+        self._refuse_closed()
         pause = 1e-5
         while True:
             try:
@@ -339,10 +346,16 @@ class Guard:
             _end(pg)
         self.abortables = []
 
+    def _refuse_closed(self) -> None:
+        if self.closed:
+            raise RuntimeFailure(f"{self.watchdog.who(self.watchdog.rank)}: its group's watchdog was closed (the "
+                                 f"group is over): nothing waits on it again")
+
     def close(self) -> bool:
         """Stop the heartbeat and the helper thread, ending the group's process groups first (a helper thread
         blocked in one of them returns). Whether the helper thread is still blocked (in a gloo wait on a
         stopped peer, which ends only at its timeout; or a rendezvous on a store that went away)."""
+        self.closed = True  # first: a later wait raises, instead of starting a monitor over dead heartbeats
         self.watchdog.mark_closed()
         self.watchdog.close()
         self._monitor_stop.set()

@@ -1,0 +1,149 @@
+"""A refit group's store: where its ranks meet before any process group exists, and where a group that ended
+is let go of.
+
+  connect_store  rank 0 serves the group's TCP store, the others connect; a store left over from a group that
+                 is over (closed, or given up after a fault) is recognized and waited out, so one host:port
+                 serves one group after another
+  check_in       every rank says it came and waits for the others, polling a reason to give up (`abort_group`:
+                 a process that cannot join tells the others why, instead of letting them time out)
+  release_aside  a broken group's process groups dropped on a thread of their own while a wait is still blocked
+                 in them (destroying a gloo group blocked on a stopped peer waits for its timeout)
+  world_guard    the watchdog of a torchrun job's default group, on the job's own store
+
+`comm` builds the groups on these (`refit_group`) and carries their traffic.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from reshard_cli.errors import RuntimeFailure
+from reshard_cli.transfer.watchdog import Guard, Watchdog, stale
+
+_RELEASING: set = set()  # threads dropping a broken group's process groups (`release_aside`)
+
+
+def release_aside(pgs: list) -> None:
+    """Drop the last references to a broken group's process groups on a daemon thread: destroying a gloo group
+    whose collective is still blocked on a stopped peer (SIGSTOP: its connections stay open) waits for that
+    collective's timeout, and the caller must not (the fleet's survivors resume in a new group meanwhile).
+    Rank 0's store, which the group holds, is freed when the thread ends; a new group on its port waits for it
+    (`connect_store`). A process that exits meanwhile leaves the thread, and the group, as they are."""
+    def release(held: list) -> None:
+        held.clear()  # the destructors run here
+        _RELEASING.discard(threading.current_thread())
+
+    thread = threading.Thread(target=release, args=(list(pgs),), daemon=True, name="reshard-release")
+    pgs.clear()
+    _RELEASING.add(thread)
+    thread.start()
+
+
+def connect_store(host: str, port: int, rank: int, size: int, timeout: float):
+    """The group's store: rank 0 serves it, the others connect. A store that still answers for a group that is
+    over (closed or given up; its host has not stopped it yet) is left, and the connection tried again, until
+    `timeout`: the same host:port serves one group after another."""
+    deadline = time.monotonic() + timeout
+    collected = False
+    while True:
+        left = max(deadline - time.monotonic(), 1.0)
+        try:
+            store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=left),
+                                  wait_for_workers=False)
+        except (dist.DistStoreError, RuntimeError) as e:  # a port in use, or no rank 0 listening in time
+            if rank == 0 and not collected and "EADDRINUSE" in str(e):  # this process's own earlier group,
+                collected = True  # kept alive only by a reference cycle (an exception's frames): collect it
+                gc.collect()
+                continue
+            if rank == 0 and _RELEASING and "EADDRINUSE" in str(e):  # or a broken one still being released
+                for thread in list(_RELEASING):
+                    thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+                gc.collect()  # what the blocked collective's end left in cycles (its error's frames)
+                if time.monotonic() < deadline:
+                    continue
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            where = "could not listen on" if rank == 0 else "could not reach rank 0's store at"
+            raise RuntimeFailure(f"refit group: rank {rank} {where} {host}:{port} within {timeout:.0f} s "
+                                 f"({first})") from None
+        try:
+            if rank == 0 or not stale(store):
+                return store
+        except dist.DistError:  # it went away as this rank looked: the next one is the new group's
+            pass
+        del store
+        if time.monotonic() > deadline:
+            raise RuntimeFailure(f"refit group: rank {rank} found only a finished group's store at {host}:{port} "
+                                 f"within {timeout:.0f} s (its host never served a new one)")
+        time.sleep(0.2)
+
+
+ABORT_GRACE = 10.0  # seconds rank 0 keeps its store up after an abort, for peers still on their way to read it
+
+
+def abort_group(host: str, port: int, reason: str, *, rank: int | None = None, timeout: float = 60.0) -> None:
+    """Tell every process joining the refit group at host:port that it will not form, and why: from a process
+    that cannot join it (an engine worker that is not the layout's; `rank` when it has one). Nobody listening
+    within `timeout`: nobody to tell."""
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        prefixed = dist.PrefixStore("reshard-refit", store)
+        prefixed.set("abort", reason)
+        if rank is not None:
+            prefixed.set(f"seen/{rank}", "1")
+    except (dist.DistError, RuntimeError):
+        pass
+
+
+def check_in(store, rank: int, size: int, timeout: float, abort, names=None) -> None:
+    store.set(f"in/{rank}", "1")
+    deadline = time.monotonic() + timeout
+    while True:
+        reason = store.get("abort").decode() if store.check(["abort"]) else None
+        if reason is None and abort is not None and (reason := abort()):
+            store.set("abort", reason)
+        if reason:
+            _abandon(store, rank, size, min(timeout, ABORT_GRACE))
+            raise RuntimeFailure(f"refit group: {reason}")
+        if store.check([f"in/{r}" for r in range(size)]):
+            return
+        if time.monotonic() > deadline:
+            missing = [r for r in range(size) if not store.check([f"in/{r}"])]
+            who = ", ".join(f"{r} ({names(r)})" for r in missing) if names else ", ".join(map(str, missing))
+            raise RuntimeFailure(f"refit group: rank(s) {who} did not join within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def _abandon(store, rank: int, size: int, grace: float) -> None:
+    """Leave a check-in that was aborted. Rank 0 serves the store: it stays until every peer has read the
+    reason (or `grace` seconds), so a peer that connects late learns it instead of waiting for a store that is
+    gone."""
+    store.set(f"seen/{rank}", "1")
+    if rank != 0:
+        return
+    until = time.monotonic() + grace
+    while time.monotonic() < until and not store.check([f"seen/{r}" for r in range(size)]):
+        time.sleep(0.05)
+
+
+def world_guard(device: torch.device | None, *, stall: float, label: str, prefix: str = "") -> Guard | None:
+    """A watchdog over the default process group, on the store it was made with when the job set it up from
+    the environment (torchrun, or MASTER_ADDR/MASTER_PORT: a client connection of its own); None when it did
+    not. Its heartbeat key exists at once; start it (`Watchdog.start`) once every rank has made its own (after
+    a collective). A fault shuts the default group down: a wait blocked in it ends. `prefix`: keys of their
+    own on that store."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or not dist.is_initialized():
+        return None
+    client = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=60))
+    watchdog = Watchdog(client, dist.get_rank(), dist.get_world_size(), stall=stall, label=label, prefix=prefix)
+    watchdog.store_client = client  # kept alive with the watchdog
+    guard = Guard(watchdog, device if device is not None and device.type == "cuda" else None)
+    guard.abortables.append(dist.group.WORLD)
+    return guard

@@ -15,6 +15,14 @@ The tests import it (tests/test_vllm_fp8_*.py), and `python examples/vllm_refit.
   quantization methods (`Fp8LinearMethod`, `Fp8MoEMethod`), built as the other vLLM tests build a model on CPU
   (vLLM's config objects, `set_current_vllm_config`, here a world of one, TP1). Only the kernel choice may be
   a stand-in, see below. `model.load_weights` is vLLM's.
+- The other FP8 schemes of vLLM 0.32: `fp8_tensor_config` / `fp8_tensor_checkpoint` (a per-tensor FP8
+  checkpoint: `*.weight_scale` [1] per tensor, vLLM's scale and static per-tensor kernel, `per_tensor_quantize`),
+  and `build_fp8_model(config, quantization="fp8_per_tensor" | "fp8_per_block", tp=...)` (vLLM's online
+  quantization of a BF16 checkpoint, its `Fp8PerTensorOnline*` / `Fp8PerBlockOnline*` methods; at TP > 1 in a
+  world the caller started). The online MoE methods select their backend through the same
+  `select_fp8_moe_backend` (their module's binding is wrapped too); the per-tensor linear layers get vLLM's
+  real `PerTensorTorchFP8ScaledMMLinearKernel` here. vLLM's CPU build registers its static per-tensor
+  quantization op without an implementation: `install_quant_stand_in` hands it to vLLM's torch reference.
 - `storage(model)`: every parameter and buffer by its vLLM name, in checkpoint format until
   `process_weights_after_loading` runs; `bit_differences(a, b)` compares two of them bit for bit.
 - `fp8_kernels_available()` / `kernels(model)`: whether vLLM finds real FP8 kernels here, and which kernel each
@@ -55,8 +63,9 @@ The stand-ins compute in float32 from the dequantized operands (a reference, not
 would VNNI-pack the weights there); the linear one reads the layer's weight and scales as vLLM's block kernels
 do, the experts one the FP8 weights vLLM passes and the scales of its own quant config (`moe_quant_config`),
 where vLLM's experts kernels read them, so what a model computes through them depends on exactly what vLLM's
-processing left where (`examples/vllm_probe.py` runs them module by module). Everything else in `process_weights_after_loading` is vLLM's (FusedMoE builds its
-modular kernel around the stand-in experts; MLA dequantizes the FP8 `kv_b_proj` into W_UK/W_UV in torch).
+processing left where (`examples/vllm_probe.py` runs them module by module). Everything else in
+`process_weights_after_loading` is vLLM's (FusedMoE builds its modular kernel around the stand-in experts; MLA
+dequantizes the FP8 `kv_b_proj` into W_UK/W_UV in torch).
 """
 from __future__ import annotations
 
@@ -161,6 +170,42 @@ def fp8_checkpoint(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def fp8_tensor_config(config: dict) -> dict:
+    """`config` with a per-tensor FP8 checkpoint's `quantization_config` (`fp8`, `e4m3`, dynamic activations,
+    no `weight_block_size`: vLLM's `Fp8LinearMethod` / `Fp8MoEMethod` keep one float32 `weight_scale` per
+    checkpoint tensor), the routers listed as not converted as in `fp8_config`."""
+    quant = {k: v for k, v in DEEPSEEK_V3_QUANT.items() if k != "weight_block_size"}
+    gates = _router_gates(config)
+    if gates:
+        quant["modules_to_not_convert"] = gates
+    return {**config, "quantization_config": quant}
+
+
+def per_tensor_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-tensor FP8 quantization of one tensor: the scale as its online `fp8_per_tensor` computes it
+    (`_fp8_scale(weight_amax(x))`, float32 [1]) and the bytes of its static per-tensor kernel
+    (`ops.scaled_fp8_quant(x, scale)`; on a CPU without it, `install_quant_stand_in`'s torch reference)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.online.fp8 import _fp8_scale
+    from vllm.model_executor.layers.quantization.utils.quant_utils import weight_amax
+
+    scale = _fp8_scale(weight_amax(x).reshape(1))
+    q, _ = ops.scaled_fp8_quant(x, scale=scale)
+    return q, scale
+
+
+def fp8_tensor_checkpoint(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-tensor FP8 checkpoint of BF16 weights `full`: each tensor `is_fp8_weight` selects becomes
+    float8_e4m3fn beside its float32 `*.weight_scale` [1] (`per_tensor_quantize`); others unchanged."""
+    out = {}
+    for name, x in full.items():
+        if is_fp8_weight(name, x):
+            out[name], out[name[: -len("weight")] + "weight_scale"] = per_tensor_quantize(x)
+        else:
+            out[name] = x
+    return out
+
+
 def random_checkpoint(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Seeded random weights under the model's HF names, shapes and dtypes (reshard's manifest of `config`:
     BF16 but DeepSeek-V3's float32 e_score_correction_bias), each tensor with its own magnitude."""
@@ -178,7 +223,10 @@ def random_checkpoint(config: dict, seed: int) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------ the stand-ins
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP8 `q` [..., N, K] times its per-block scales [..., ceil(N/128), ceil(K/128)], in float32."""
+    """FP8 `q` [..., N, K] times its per-block scales [..., ceil(N/128), ceil(K/128)], or its one per-tensor
+    scale (an expert's, under `fp8_per_tensor`), in float32."""
+    if scale.numel() == 1:
+        return q.float() * scale.float().reshape(())
     rows = scale.repeat_interleave(BLOCK[0], -2)[..., : q.shape[-2], :]
     return q.float() * rows.repeat_interleave(BLOCK[1], -1)[..., : q.shape[-1]]
 
@@ -308,6 +356,55 @@ def fp8_kernels_available() -> bool:
     return True
 
 
+def quant_op_runs() -> bool:
+    """Whether vLLM's static per-tensor FP8 quantization runs here: `ops.scaled_fp8_quant(x, scale)`, whose
+    `_C` op `static_scaled_fp8_quant` vLLM's CPU build registers without an implementation (its schema takes
+    no argument). `fp8_per_tensor`'s processing (and a per-tensor FP8 checkpoint's) calls it."""
+    from vllm import _custom_ops as ops
+
+    if getattr(ops.scaled_fp8_quant, "stand_in", False):
+        return False
+    try:
+        ops.scaled_fp8_quant(torch.ones(1, 16, dtype=torch.bfloat16), scale=torch.ones(1))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def install_quant_stand_in() -> bool:
+    """Where `quant_op_runs` is False: `vllm._custom_ops.scaled_fp8_quant` replaced, for this process, by one
+    that hands static per-tensor quantization to vLLM's own torch reference of that kernel
+    (`QuantFP8(static=True, group_shape=PER_TENSOR).forward_native`: x * (1 / scale), clamped to +-448, cast)
+    and every other call to vLLM's function. vLLM's callers reach it as `ops.scaled_fp8_quant` at call time
+    (online/fp8.py, utils/w8a8_utils.py, utils/fp8_utils.py), so it serves processing as well as building.
+    Returns whether the stand-in is in place."""
+    from vllm import _custom_ops as ops
+
+    if getattr(ops.scaled_fp8_quant, "stand_in", False):
+        return True
+    if quant_op_runs():
+        return False
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    real = ops.scaled_fp8_quant
+    static = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR, compile_native=False)
+
+    def scaled_fp8_quant(input, scale=None, num_token_padding=None, scale_ub=None,
+                         use_per_token_if_dynamic=False, output=None, group_shape=None):
+        if scale is None or scale.numel() != 1 or num_token_padding or group_shape not in (None, (-1, -1)):
+            return real(input, scale, num_token_padding, scale_ub, use_per_token_if_dynamic, output, group_shape)
+        q, _ = static.forward_native(input, scale.reshape(1))
+        if output is not None:
+            output.copy_(q)
+            q = output
+        return q, scale
+
+    scaled_fp8_quant.stand_in = True
+    ops.scaled_fp8_quant = scaled_fp8_quant
+    return True
+
+
 @contextmanager
 def stand_in_kernels(always: bool = False, experts: bool = True):
     """While open, vLLM's FP8 kernel choice falls back to the stand-ins where it finds no real kernel
@@ -316,23 +413,27 @@ def stand_in_kernels(always: bool = False, experts: bool = True):
     from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
     from vllm.model_executor.layers.quantization import fp8 as fp8_method
+    from vllm.model_executor.layers.quantization.online import fp8 as online_method
     from vllm.platforms import current_platform
 
     stand_in_linear, stand_in_experts = _stand_in_classes()
-    real_select = fp8_method.select_fp8_moe_backend
 
-    def select_fp8_moe_backend(*args, **kwargs):
-        backend, experts_cls = (Fp8MoeBackend.NONE, None) if always else real_select(*args, **kwargs)
-        if experts_cls is None:  # vLLM found none: on a CPU (Fp8MoeBackend.NONE, None)
-            return Fp8MoeBackend.TRITON, stand_in_experts
-        return backend, experts_cls
+    def selection(real_select):
+        def select_fp8_moe_backend(*args, **kwargs):
+            backend, experts_cls = (Fp8MoeBackend.NONE, None) if always else real_select(*args, **kwargs)
+            if experts_cls is None:  # vLLM found none: on a CPU (Fp8MoeBackend.NONE, None)
+                return Fp8MoeBackend.TRITON, stand_in_experts
+            return backend, experts_cls
+        return select_fp8_moe_backend
 
     candidates = [] if always else _real_linear_kernels()
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(_POSSIBLE_FP8_BLOCK_KERNELS,
                                             {current_platform._enum: [*candidates, stand_in_linear]}))
-        if experts:
-            stack.enter_context(mock.patch.object(fp8_method, "select_fp8_moe_backend", select_fp8_moe_backend))
+        if experts:  # the checkpoint's FP8 method and the online ones (`fp8_per_tensor`, `fp8_per_block`)
+            for method in (fp8_method, online_method):
+                stack.enter_context(mock.patch.object(method, "select_fp8_moe_backend",
+                                                      selection(method.select_fp8_moe_backend)))
         yield
 
 
@@ -372,17 +473,22 @@ def release_world() -> None:
 
 
 def build_fp8_model(config_dir_or_config, *, stand_ins: str = "auto", dtype: str = "bfloat16",
-                    fp8: bool = True):
-    """A real vLLM model with block-FP8 quantization active, on CPU, TP1: `(vllm_config, model)` (`fp8=False`:
-    the model as its config says, a BF16 one unquantized).
+                    fp8: bool = True, quantization: str | None = None, tp: int = 1):
+    """A real vLLM model with FP8 quantization active, on CPU: `(vllm_config, model)` (`fp8=False`: the model
+    as its config says, a BF16 one unquantized).
 
     `config_dir_or_config`: a model directory with a config.json that already has a `quantization_config`,
-    or an HF config dict (without one: `fp8_config` adds it). `stand_ins`: "auto" (vLLM's real FP8 kernels
-    where it finds them, the stand-ins elsewhere), "always", "linear" (stand-ins for linear layers only: the
-    routed experts get what vLLM selects, on a CPU without AMX nothing, and `process_weights_after_loading`
-    fails) or "never" (vLLM as it is: without AMX the first FP8 linear layer refuses). Starts vLLM's
-    parallel state for a world of one if none exists (`release_world` ends it). `load` and
-    `process_weights_after_loading` below call vLLM's under `set_current_vllm_config(vllm_config)`."""
+    or an HF config dict (without one: `fp8_config` adds it, block FP8). `quantization`: one of vLLM's online
+    shorthands (`fp8_per_tensor`, `fp8_per_block`: vLLM quantizes the BF16 checkpoint itself after loading,
+    `--quantization fp8_per_tensor`); the config then keeps no `quantization_config`. `stand_ins`: "auto"
+    (vLLM's real FP8 kernels where it finds them, the stand-ins elsewhere), "always", "linear" (stand-ins for
+    linear layers only: the routed experts get what vLLM selects, on a CPU without AMX nothing, and
+    `process_weights_after_loading` fails) or "never" (vLLM as it is: without AMX the first FP8 linear layer
+    refuses); with stand-ins, vLLM's static per-tensor quantization op gets its torch reference where the
+    CPU build has none (`install_quant_stand_in`). `tp`: the tensor-parallel size of a world the caller
+    started (vLLM's parallel state, `initialize_model_parallel`); at TP1 a world of one is started if none
+    exists (`release_world` ends it). `load` and `process_weights_after_loading` below call vLLM's under
+    `set_current_vllm_config(vllm_config)`."""
     from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -390,7 +496,7 @@ def build_fp8_model(config_dir_or_config, *, stand_ins: str = "auto", dtype: str
     tmp = None
     if isinstance(config_dir_or_config, dict):
         config = config_dir_or_config
-        if fp8 and "quantization_config" not in config:
+        if fp8 and quantization is None and "quantization_config" not in config:
             config = fp8_config(config)
         tmp = tempfile.mkdtemp(prefix="vllm-fp8-")
         Path(tmp, "config.json").write_text(json.dumps(config))
@@ -398,14 +504,19 @@ def build_fp8_model(config_dir_or_config, *, stand_ins: str = "auto", dtype: str
     else:
         model_dir = str(config_dir_or_config)
     try:
-        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
-        vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=1),
+        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+                         quantization=quantization)
+        vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
                         device_config=DeviceConfig("cpu"))
-        assert mc.quantization == "fp8" or not fp8, f"{model_dir}: quantization {mc.quantization!r}, not fp8"
+        want = quantization or "fp8"
+        assert mc.quantization == want or not fp8, f"{model_dir}: quantization {mc.quantization!r}, not {want}"
         patch = {"auto": stand_in_kernels, "always": lambda: stand_in_kernels(always=True),
                  "linear": lambda: stand_in_kernels(experts=False), "never": contextlib.nullcontext}[stand_ins]
-        with set_current_vllm_config(vc):
-            _ensure_world()
+        with set_current_vllm_config(vc):  # (the stand-in's QuantFP8 is a CustomOp: built under a config)
+            if stand_ins != "never":
+                install_quant_stand_in()
+            if tp == 1:
+                _ensure_world()
             with patch(), set_default_torch_dtype(mc.dtype), torch.device("cpu"):
                 model = initialize_model(vllm_config=vc)
     finally:
@@ -475,11 +586,13 @@ def fill(model, byte: int) -> None:
 
 
 def fp8_layers(model) -> dict[str, torch.nn.Module]:
-    """The modules whose quantization method is vLLM's `Fp8LinearMethod` or `Fp8MoEMethod`, by name."""
+    """The modules whose quantization method is vLLM's `Fp8LinearMethod` or `Fp8MoEMethod` (an FP8 checkpoint),
+    or one of its online FP8 methods (`fp8_per_tensor`, `fp8_per_block`), by name."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
+    from vllm.model_executor.layers.quantization.online import fp8 as online
 
-    return {n: m for n, m in model.named_modules()
-            if isinstance(getattr(m, "quant_method", None), (Fp8LinearMethod, Fp8MoEMethod))}
+    methods = (Fp8LinearMethod, Fp8MoEMethod, online.OnlineLinearBase, online._Fp8OnlineMoEBase)
+    return {n: m for n, m in model.named_modules() if isinstance(getattr(m, "quant_method", None), methods)}
 
 
 def kernels(model) -> dict[str, str]:

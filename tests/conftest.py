@@ -137,6 +137,8 @@ TIER_MODULES: dict[str, tuple[str, ...]] = {
     "test_vllm_fp8_storage": ("vllm",),  # vLLM's FP8 layers in this process, a world of one: seconds
     "test_vllm_fp8_format": ("vllm",),  # and one run of the FP8 example: three processes, a minute
     "test_vllm_abort": ("slow", "vllm"),  # three vLLM models in this process, each built a few times: a minute
+    "test_vllm_fp8_online": ("slow", "vllm"),  # vLLM's FP8 models in this process, two per scheme: minutes
+    "test_vllm_fp8_tp2": _VLLM,  # TP2 vLLM engines and a trainer, four processes: minutes
     "test_transport": _PROCS,  # every mode on gloo process groups
     "test_run": _PROCS,  # `reshard run` under torchrun
 }

@@ -76,6 +76,20 @@ SYMBOLS: list[tuple[str, str, tuple | None]] = [
     ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExperts.process_weights_after_loading",
      ((X,), ())),
     ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel.fused_experts", None),
+    # online FP8 (`--quantization fp8_per_tensor` / `fp8_per_block`): the weight max |x| reductions reshard
+    # replaces with the refit's agreed values (`agreed_amax`), the processing it runs around them, and the
+    # steps after the per-block cast it runs alone (`process_prequantized`)
+    ("vllm.model_executor.layers.quantization.online.fp8", "amax_for_tp_weight_quant", ((X, X), ())),
+    ("vllm.model_executor.layers.quantization.online.fp8", "amax_for_moe_weight_quant", ((X, X), ())),
+    ("vllm.model_executor.layers.quantization.online.fp8",
+     "Fp8PerTensorOnlineLinearMethod.process_weights_after_loading", ((X,), ())),
+    ("vllm.model_executor.layers.quantization.online.fp8",
+     "Fp8PerTensorOnlineMoEMethod.process_weights_after_loading", ((X,), ())),
+    ("vllm.model_executor.layers.quantization.online.fp8",
+     "Fp8PerBlockOnlineLinearMethod.process_weights_after_loading", ((X,), ())),
+    ("vllm.model_executor.layers.quantization.online.fp8", "Fp8PerBlockOnlineMoEMethod._setup_kernel",
+     ((X, X, X, X, X, X, X), ())),
+    ("vllm.model_executor.utils", "replace_parameter", ((X, X, X), ())),
     # the full path's loader, on the model the tests load
     ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeForCausalLM.load_weights", ((X,), ())),
 ]
@@ -214,3 +228,39 @@ def test_vllm_http_client_gets_the_prefix_cache_reset_and_pause_through_its_base
     finally:
         server.shutdown()
     assert seen == ["/reset_prefix_cache", "/pause?mode=keep", "/resume", "/shutdown_weight_transfer_engine"]
+
+
+def _body(method) -> list[str]:
+    """A method's statements as source lines, stripped, without comments and blank lines."""
+    lines = inspect.getsource(method).splitlines()[1:]
+    return [x.strip() for x in lines if x.strip() and not x.strip().startswith(("#", '"""'))]
+
+
+def test_the_online_fp8_processing_reshard_splits():
+    """What `compat.agreed_amax` and `compat.process_prequantized` assume of vLLM's online FP8 methods: the
+    per-tensor ones take their weight max |x| through the two module-level reductions (a linear layer once,
+    experts w13's then w2's) and run no other collective; the per-block ones do, after `per_block_cast_to_fp8`,
+    exactly the steps reshard runs alone once the senders quantized."""
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+
+    linear = "\n".join(_body(online.Fp8PerTensorOnlineLinearMethod.process_weights_after_loading))
+    moe = "\n".join(_body(online.Fp8PerTensorOnlineMoEMethod.process_weights_after_loading))
+    assert linear.count("amax_for_tp_weight_quant(") == 1 and "all_reduce" not in linear
+    assert moe.count("amax_for_moe_weight_quant(") == 2 and "all_reduce" not in moe
+    assert moe.index("amax_for_moe_weight_quant(w13_amax") < moe.index("amax_for_moe_weight_quant(w2_amax")
+    block = _body(online.Fp8PerBlockOnlineLinearMethod.process_weights_after_loading)
+    cast = block.index("qweight, weight_scale_inv = per_block_cast_to_fp8(")
+    assert block[cast + 2:] == [
+        ")",
+        'replace_parameter(layer, "weight", qweight.data)',
+        'replace_parameter(layer, "weight_scale_inv", weight_scale_inv.data)',
+        'if self.requantization_source is not None and hasattr(layer, "weight_scale"):',
+        "del layer.weight_scale",
+        "self.fp8_linear.process_weights_after_loading(layer)",
+        "layer._already_called_process_weights_after_loading = True"], block
+    experts = _body(online.Fp8PerBlockOnlineMoEMethod.process_weights_after_loading)
+    assert experts[experts.index("layer.weight_block_size = block_size"):] == [
+        "layer.weight_block_size = block_size", "self._setup_kernel(", "layer,", "w13,", "w2,", "w13_scale,",
+        "w2_scale,", "layer.w13_input_scale,", "layer.w2_input_scale,", ")",
+        "layer._already_called_process_weights_after_loading = True"], experts
+    assert sum("per_block_cast_to_fp8(" in x for x in experts) == 2  # w13's and w2's, before the tail

@@ -206,14 +206,72 @@ def storage(layout, rank: int) -> list[EngineTensor]:
     order_of = {name: i for i, name in enumerate(t.name for t in tensors)}
     out.sort(key=lambda et: min(order_of[tensors[v.tensor].name] for v in et.views))
     q = layout.quantization
-    return _fp8_storage(out, tensors, q) if q is not None and q.block else out
+    if q is None or not q.stored_fp8:
+        return out  # BF16 checkpoint format (`fp8_per_tensor`: vLLM quantizes it after loading)
+    if q.block is None:
+        return _fp8_tensor_storage(out, tensors, q)
+    if q.online:  # fp8_per_block: vLLM quantizes each rank's local tensor; the senders may only where grids meet
+        _check_grids(out, tensors, q, layout, rank)
+    return _fp8_storage(out, tensors, q)
+
+
+def _fp8_tensor_storage(out: list[EngineTensor], tensors, q) -> list[EngineTensor]:
+    """A per-tensor FP8 checkpoint's engine storage (vLLM's `Fp8LinearMethod` / `Fp8MoEMethod` without
+    `weight_block_size`): a quantized engine tensor keeps its shape in `float8_e4m3fn`, followed by its float32
+    `weight_scale`, one slot per checkpoint tensor it holds as vLLM's loader places the checkpoint's scalars:
+    a fused tensor's member i at [i] (`qkv_proj.weight_scale [3]`), stacked expert j's gate and up at [j, 0]
+    and [j, 1] (`w13_weight_scale [E, 2]`), its down at [j] (`w2_weight_scale [E]`)."""
+    res = []
+    for et in out:
+        if not any(q.quantizes(tensors[v.tensor].name, tensors[v.tensor].shape) for v in et.views):
+            res.append(et)
+            continue
+        res.append(EngineTensor(et.name, et.shape, "float8_e4m3fn", et.views))
+        stacked = len(et.shape) == 3
+        slots = 2 if et.name.endswith("w13_weight") else 1
+        if stacked:
+            scales = tuple(View(v.tensor, v.box, (v.region[0], slice(k % slots, k % slots + 1)) if slots > 1
+                                else (slice(v.region[0], v.region[0] + 1),)) for k, v in enumerate(et.views))
+            shape = (et.shape[0], slots) if slots > 1 else (et.shape[0],)
+        else:
+            scales = tuple(View(v.tensor, v.box, (slice(k, k + 1),)) for k, v in enumerate(et.views))
+            shape = (len(et.views),)
+        res.append(EngineTensor(et.name.removesuffix("weight") + "weight_scale", shape, "float32", (), scales))
+    return res
+
+
+def _check_grids(out: list[EngineTensor], tensors, q, layout, rank: int) -> None:
+    """`fp8_per_block`: vLLM quantizes each rank's local, fused tensor per block (`per_block_cast_to_fp8` in
+    its online methods), so its blocks are a checkpoint tensor's only where each view starts on the block grid
+    in both and a partial block ends both the checkpoint tensor and the engine tensor. Then its storage after
+    processing is a block-FP8 checkpoint's, and the senders quantize; elsewhere one ConfigError. Routed experts
+    need whole blocks throughout: vLLM pads their dims to multiples of the block under this method."""
+    bm, bn = q.block
+    for et in out:
+        for v in et.views:
+            spec = tensors[v.tensor]
+            if not q.quantizes(spec.name, spec.shape):
+                continue
+            *_lead, r, c = v.region
+            for o, n, full, start, engine, b, what in (
+                    (v.box.offsets[-2], v.box.sizes[-2], spec.shape[-2], r.start, et.shape[-2], bm, "rows"),
+                    (v.box.offsets[-1], v.box.sizes[-1], spec.shape[-1], c.start, et.shape[-1], bn, "columns")):
+                ragged_end = o + n == full and start + n == engine and len(et.shape) == 2  # (vLLM pads experts)
+                if o % b or start % b or (n % b and not ragged_end):
+                    raise ConfigError(
+                        f"rank {rank}: {spec.name}: {n} {what} at {o}, at {start} of {et.name}: vLLM's fp8_per_block "
+                        f"quantizes each rank's local tensor in {b}-wide blocks, which here are not the checkpoint "
+                        f"tensor's; reshard refits fp8_per_block where every shard holds whole {b}x{b} blocks: "
+                        f"choose a parallelism whose shards are multiples of {b}, or fp8_per_tensor",
+                        file=layout.file, key="engine.quantization")
 
 
 def _fp8_storage(out: list[EngineTensor], tensors, q) -> list[EngineTensor]:
-    """A block-FP8 engine's storage (vLLM's FP8 method on an FP8 checkpoint): a quantized engine tensor keeps
-    its shape in `float8_e4m3fn`, followed by its float32 `weight_scale_inv`, one scale per block of each
-    checkpoint tensor. A fused tensor's members keep their own block grids, stacked as vLLM's loader places
-    them (a member at row r starts at scale row ceil(r / bm)); stacked experts per expert likewise."""
+    """A block-FP8 engine's storage (vLLM's FP8 method on an FP8 checkpoint, or `fp8_per_block` once processed):
+    a quantized engine tensor keeps its shape in `float8_e4m3fn`, followed by its float32 `weight_scale_inv`,
+    one scale per block of each checkpoint tensor. A fused tensor's members keep their own block grids, stacked
+    as vLLM's loader places them (a member at row r starts at scale row ceil(r / bm)); stacked experts per
+    expert likewise."""
     bm, bn = q.block
     res = []
     for et in out:

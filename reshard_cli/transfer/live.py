@@ -33,6 +33,7 @@ from reshard_cli.base import checksums
 from reshard_cli.base.blocks import blocks_of
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.models import Manifest, TensorSpec
+from reshard_cli.layouts.quant import amax_names
 from reshard_cli.plan.groups import Group, layer_groups, resume_group
 from reshard_cli.plan.planner import Plan
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
@@ -70,6 +71,18 @@ class Stage:
         """Buffers for the group's tensors (`layout` holds only them), keyed by checkpoint name; a block-FP8
         engine's quantized weights as `FP8Landing`s (its storage, where the refit writes FP8 bytes and scales)."""
         raise NotImplementedError
+
+    def local_max(self, group: Group, names: list[str]) -> Mapping[str, float]:
+        """Before `prepare`, where the destination layout asks for it (`layouts.quant.amax_names`: an engine
+        whose processing needs a value reduced over all shards of a tensor, a per-tensor FP8 scale's max |x|):
+        this rank's value of each of `names` (absent: none here). The refit takes the maximum over every rank
+        of its group, under its watchdog, and hands it to `reduced`, so the engine needs no collective of its
+        own while a peer may already have failed. May fail (agreed like `prepare`)."""
+        return {}
+
+    def reduced(self, group: Group, maxima: Mapping[str, float]) -> None:
+        """The maxima of `local_max` over every rank of the refit (0 where no rank had a value), before
+        `prepare`."""
 
     def prepare(self, group: Group) -> None:
         """The group arrived intact here: make it ready to swap in, without touching what the engine computes
@@ -498,7 +511,9 @@ class Refit:
             if bad:
                 error = (f"checksums differ after the transfer in {len(bad)} tensor(s), first "
                          f"{part.plan.dst.manifest.tensors[bad[0]].name}")
-        if opened is not None and error is None:
+        names = amax_names(part.plan.dst)  # the same on every rank: a guarded reduction the engine needs
+        error, failed = self._reduce_max(part, names, opened, error) if names else (error, False)
+        if opened is not None and error is None and not failed:
             try:  # phase one: everything that can fail, before the last agreement
                 opened.prepare(part.group)
             except Exception as e:  # noqa: BLE001 - the engine's processing (out of memory, a kernel's repacking)
@@ -514,6 +529,28 @@ class Refit:
                                f"{part.group.label}", (self.rank,))
             self._record_held(i + 1)
         return not bad
+
+    def _reduce_max(self, part: _Part, names: list[str], stage: Stage | None, error: str | None) -> tuple:
+        """Collective, under the group's watchdog: the maximum over every rank of each name's value
+        (`Stage.local_max`; a source contributes 0), handed to the stage (`Stage.reduced`). A rank that failed
+        before it still takes part, with a flag: every rank then skips `prepare` and the agreement after names
+        it. Returns (this rank's error, whether any rank had failed)."""
+        values = torch.zeros(len(names) + 1, dtype=torch.float32)
+        if stage is not None and error is None:
+            try:
+                local = stage.local_max(part.group, names)
+                values[1:] = torch.tensor([float(local.get(n, 0.0)) for n in names], dtype=torch.float32)
+            except Exception as e:  # noqa: BLE001 - the engine's own step
+                error = f"reducing {part.group.label} failed ({type(e).__name__}: {e})"
+        values[0] = 0.0 if error is None else 1.0
+        self._told("the reduction", self.comm.all_reduce_max, values)
+        failed = bool(values[0].item())
+        if stage is not None and error is None and not failed:
+            try:
+                stage.reduced(part.group, dict(zip(names, values[1:].tolist())))
+            except Exception as e:  # noqa: BLE001
+                error = f"reducing {part.group.label} failed ({type(e).__name__}: {e})"
+        return error, failed
 
     def _agree(self, i: int, part: _Part, error: str | None, stage: Stage | None, *, code: int, step: str) -> None:
         """Collective: every rank's error for group i at `step`; on any, the group is aborted here and every

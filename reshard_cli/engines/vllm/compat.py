@@ -17,6 +17,7 @@ side of the refit group with that line (a ConfigError, agreed through the handsh
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -143,6 +144,13 @@ def worker_place(parallel_config, rank: int) -> tuple[int, int]:
 def llm_replicas(llm) -> int:
     """The data-parallel ranks an `LLM` in this process runs (each a replica of the model)."""
     return int(llm.llm_engine.vllm_config.parallel_config.data_parallel_size)
+
+
+def llm_scheduler(llm, method: str, *args):
+    """One of the engine core's scheduler controls on an `LLM` in this process, through its core client's
+    utility call (vLLM's server reaches the same methods through its pause routes): `pause_scheduler` (mode
+    "keep": requests stay queued, `generate` waits), `resume_scheduler`, `is_scheduler_paused`."""
+    return llm.llm_engine.engine_core.call_utility(method, *args)
 
 
 def load_weights(model, name: str, tensor) -> None:
@@ -302,3 +310,103 @@ def experts_packer(module):
     if type(fused).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading:
         return None
     return fused
+
+
+# ------------------------------------------------------------------------------------ online FP8 (0.32)
+# What reshard splits out of vLLM's online FP8 processing (`agreed_amax`, `process_prequantized`) was read in
+# 0.32.0's quantization/online/fp8.py; tests/test_vllm_contract.py checks that the steps it relies on are still
+# there, in that order. Another version warns (or, strict, refuses) once, as `check_version` does.
+ONLINE_FP8_CHECKED = ("0.32.0",)
+
+
+def _check_online_fp8() -> None:
+    found = version()
+    if found is None or found.split("+")[0] in ONLINE_FP8_CHECKED:
+        return
+    problem = (f"vLLM {found}: reshard's split of its online FP8 processing was checked with "
+               f"{', '.join(ONLINE_FP8_CHECKED)} only; tests/test_vllm_contract.py checks it")
+    if os.environ.get(STRICT_ENV, "") not in ("", "0"):
+        raise ConfigError(f"{problem} (refused: {STRICT_ENV} is set)", key="vllm")
+    _warn_once(problem)
+
+
+@contextlib.contextmanager
+def agreed_amax(values: list):
+    """While open, vLLM's online per-tensor FP8 processing (`Fp8PerTensorOnlineLinearMethod` /
+    `Fp8PerTensorOnlineMoEMethod.process_weights_after_loading`) takes each weight max |x| it would all-reduce
+    over its TP (or EP) group (`amax_for_tp_weight_quant`, `amax_for_moe_weight_quant`, as its module binds
+    them) from `values`, in the order it asks (a linear layer once; experts w13's, then w2's), instead of
+    running that collective: the refit agreed them over its own group, under its watchdog. Each value must
+    be at least the local one it replaces (it is the max over every shard), and every value must be taken."""
+    import torch
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+
+    _check_online_fp8()
+    queue = list(values)
+
+    def supplied(amax, *_args):
+        if not queue:
+            raise RuntimeError("vLLM's processing asked for more weight max |x| than were agreed")
+        want = torch.as_tensor(queue.pop(0)).to(dtype=amax.dtype, device=amax.device).reshape(amax.shape)
+        if bool((want < amax).any()):
+            raise RuntimeError(f"the agreed weight max |x| {want.tolist()} is below this rank's own "
+                               f"{amax.tolist()}")
+        return want
+
+    saved = online.amax_for_tp_weight_quant, online.amax_for_moe_weight_quant
+    online.amax_for_tp_weight_quant = online.amax_for_moe_weight_quant = supplied
+    try:
+        yield
+    finally:
+        online.amax_for_tp_weight_quant, online.amax_for_moe_weight_quant = saved
+    if queue:
+        raise RuntimeError(f"vLLM's processing took {len(values) - len(queue)} of {len(values)} agreed max |x|")
+
+
+def per_tensor_online(module) -> bool:
+    """Whether vLLM quantizes `module` online per tensor (`fp8_per_tensor`)."""
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+
+    return isinstance(getattr(module, "quant_method", None),
+                      (online.Fp8PerTensorOnlineLinearMethod, online.Fp8PerTensorOnlineMoEMethod))
+
+
+def process_prequantized(module) -> None:
+    """vLLM's online `fp8_per_block` processing of a staged module whose FP8 blocks and scales are already in
+    place (`weight` and `weight_scale_inv`; experts `w13_weight`, `w2_weight` and their `*_weight_scale_inv`),
+    quantized by the senders as vLLM's `per_block_cast_to_fp8` would: what its `process_weights_after_loading`
+    does after that cast and nothing else (0.32: the linear kernel's own post-processing; the experts' block
+    size, kernel format and modular kernel). Like `process_staged`, on the staged tensors only."""
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+    from vllm.model_executor.utils import replace_parameter
+
+    _check_online_fp8()
+    qm = module.quant_method
+    if hasattr(module, "_already_called_process_weights_after_loading"):
+        delattr(module, "_already_called_process_weights_after_loading")
+    for param in get_layer_tensors(module).values():
+        param.weight_loader = layerwise._get_original_loader(param)
+    if isinstance(qm, online.Fp8PerBlockOnlineLinearMethod):
+        module.input_scale = None
+        replace_parameter(module, "weight", module.weight.data)
+        replace_parameter(module, "weight_scale_inv", module.weight_scale_inv.data)
+        qm.fp8_linear.process_weights_after_loading(module)
+    elif isinstance(qm, online.Fp8PerBlockOnlineMoEMethod):
+        module.weight_block_size = qm.weight_block_size
+        qm._setup_kernel(module, module.w13_weight.data, module.w2_weight.data, module.w13_weight_scale_inv.data,
+                         module.w2_weight_scale_inv.data, module.w13_input_scale, module.w2_input_scale)
+    else:
+        raise TypeError(f"{type(qm).__name__} is not vLLM's online fp8_per_block method")
+    module._already_called_process_weights_after_loading = True
+    if hasattr(module, "update_param_tp_status"):
+        module.update_param_tp_status()
+
+
+def per_block_online(module) -> bool:
+    """Whether vLLM quantizes `module` online per block (`fp8_per_block`)."""
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+
+    return isinstance(getattr(module, "quant_method", None),
+                      (online.Fp8PerBlockOnlineLinearMethod, online.Fp8PerBlockOnlineMoEMethod))

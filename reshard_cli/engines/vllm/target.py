@@ -8,6 +8,7 @@ import time
 import torch
 
 from reshard_cli import formats
+from reshard_cli.base.fp8 import quantize_tensor
 from reshard_cli.engines.vllm import compat, cpu_repairs
 from reshard_cli.engines.vllm.saved import Saved
 from reshard_cli.errors import ConfigError
@@ -47,13 +48,12 @@ class EngineTarget(Stage):
         # layers vLLM derives from a staged module's weights (MLA's W_UK_T / W_UV from kv_b_proj): processed
         # again by vLLM's own code once the group holding their source is committed
         self.derived = compat.derived_layers(model, self.staged)
-        derived = {f"{name}.{p}" for layers in self.derived.values() for name, layer in layers
-                   for p, _ in layer.named_parameters(recurse=False)}
-        extra = sorted(n for n in set(params) - {et.name for et in self.storage} - derived
-                       if not _KV_SCALE.search(n))
-        if extra:  # a parameter no checkpoint tensor fills would keep stale weights: refuse
-            raise ConfigError(f"rank {rank}: engine parameter {extra[0]!r} is not filled by any checkpoint tensor "
-                              f"of the layout ({len(extra)} such)", key="dst")
+        self._check_filled(params)
+        engine_q, layout_q = getattr(model_config, "quantization", None), layout.quantization
+        if engine_q in ("fp8", "fp8_per_tensor", "fp8_per_block") and engine_q != getattr(layout_q, "method", None):
+            raise ConfigError(f"rank {rank}: the engine runs vLLM's {engine_q} quantization, the layout says "
+                              f"{getattr(layout_q, 'method', 'none')}: set engine: {{quantization: {engine_q}}}",
+                              key="dst")
         # their kernels were built from a staged module's parameter: processed again once the new values are in
         shared = {id(p): name for name, m in self.staged.items() for p in m.parameters(recurse=False)}
         self.tied: dict[str, list] = {}
@@ -65,8 +65,16 @@ class EngineTarget(Stage):
         self.padded = {et.name for et in self.storage
                        if not et.scales and sum(v.box.numel for v in et.views) < _numel(et.shape)}
         self.open_group: tuple | None = None  # (staged modules, {name: (parameter, copy)}, {module: [Saved]})
-        self.landing: list = []  # a block-FP8 engine's open group: the BF16 buffers the refit allocated for
-        # blocks that arrive unquantized (it quantizes them into the FP8 views)
+        self.landing: list = []  # an FP8 engine's open group: the BF16 buffers allocated for what arrives
+        # unquantized (block FP8: by the refit, which quantizes them into the FP8 views; per-tensor FP8: below)
+        self.quant = layout.quantization
+        self.handed: dict = {}  # the open group's buffers by checkpoint name (what `local_max` reads)
+        self.pending: list = []  # a per-tensor FP8 checkpoint's open group: (name, BF16 buffer, FP8 view, scale
+        # view), quantized in `prepare` with the max |x| the refit agreed (`reduced`)
+        self.maxima: dict = {}  # checkpoint name -> max |x| over every shard, agreed for the open group
+        self._by_module: dict[str, list] = {}
+        for et in self.storage:
+            self._by_module.setdefault(et.name.rpartition(".")[0], []).append(et)
         self.peak_staged_bytes = 0  # measured: the most bytes the open group held at once, this update
         self.largest_layer_bytes = max((u.nbytes for u in layer_groups(layout, 1)), default=0)  # the least a
         # group can stage (whole layers), on the destination rank that stages the most
@@ -76,15 +84,40 @@ class EngineTarget(Stage):
         # every view checked now, against the live parameters and the staged ones' checkpoint-format metadata
         self.format.bind(self._model_format(params), layout, rank)
 
+    def _check_filled(self, params: dict) -> None:
+        """Every engine parameter is filled by a checkpoint tensor of the layout, derived by vLLM from one
+        (MLA's), produced by vLLM's processing of a staged module (not in its checkpoint format: `fp8_per_tensor`'s
+        `weight_scale`), or a KV cache scale; else one ConfigError (it would keep stale weights)."""
+        derived = {f"{name}.{p}" for layers in self.derived.values() for name, layer in layers
+                   for p, _ in layer.named_parameters(recurse=False)}
+        for mod_name, module in self.staged.items():
+            meta = compat.checkpoint_meta(module)
+            derived |= {f"{mod_name}.{p}" for p, _ in module.named_parameters(recurse=False) if meta and p not in meta}
+        extra = sorted(n for n in set(params) - {et.name for et in self.storage} - derived
+                       if not _KV_SCALE.search(n))
+        if extra:
+            raise ConfigError(f"rank {self.rank}: engine parameter {extra[0]!r} is not filled by any checkpoint "
+                              f"tensor of the layout ({len(extra)} such)", key="dst")
+
     def _model_format(self, params: dict) -> dict:
-        """The parameters in checkpoint format: live ones, or the staged modules' recorded metadata."""
+        """The parameters in checkpoint format: live ones, or the staged modules' recorded metadata (for
+        `fp8_per_block`, the FP8 blocks and scales the refit stages instead of vLLM's BF16 format)."""
         out = dict(params)
         for mod_name, module in self.staged.items():
             meta = compat.checkpoint_meta(module)
             for pname, _ in module.named_parameters(recurse=False, remove_duplicate=False):
                 if pname in meta:
                     out[f"{mod_name}.{pname}"] = meta[pname]
+            for et in self._fp8_staged(mod_name, module):
+                out[et.name] = torch.empty(et.shape, dtype=getattr(torch, et.dtype), device="meta")
         return out
+
+    def _fp8_staged(self, mod_name: str, module) -> list:
+        """`fp8_per_block`: the module's engine tensors the refit stages as FP8 blocks and their scales (vLLM's
+        own reload would stage BF16 and quantize it), [] otherwise."""
+        if self.quant is None or not (self.quant.online and self.quant.block) or not compat.per_block_online(module):
+            return []
+        return [et for et in self._by_module.get(mod_name, ()) if et.scales or et.dtype == "float8_e4m3fn"]
 
     @property
     def staged_bytes(self) -> int:
@@ -145,6 +178,9 @@ class EngineTarget(Stage):
             saved[mod_name] = [Saved(module)]
             compat.begin_reload(module)
             begun[mod_name] = module
+            for et in self._fp8_staged(mod_name, module):  # on meta, materialized with the rest
+                module.register_parameter(et.name.rpartition(".")[2], torch.nn.Parameter(
+                    torch.empty(et.shape, dtype=getattr(torch, et.dtype), device="meta"), requires_grad=False))
             compat.materialize(module)
         params = dict(self.model.named_parameters())
         for et in tensors:
@@ -156,26 +192,96 @@ class EngineTarget(Stage):
         self.largest_group_bytes = max(self.largest_group_bytes, sum(et.nbytes for et in tensors))
         buffers = self.format.bind(params, layout, self.rank)
         self._land_fp8(tensors, params, layout, buffers)
+        self.handed, self.maxima = buffers, {}
         self._measure()
         return buffers
+
     def _land_fp8(self, tensors: list, params: dict, layout, buffers: dict) -> None:
-        """A block-FP8 engine: each quantized checkpoint box is handed to the refit as an `FP8Landing` of its FP8
-        view and its scales' view (the box holds whole blocks: the layout is checked so), where the blocks a
-        sender quantized land. Where the plan sends a box blocks unquantized, the refit allocates a BF16
-        buffer for them (kept in `landing`, counted and dropped here) and quantizes them into the views once
-        the group's transfer is done."""
+        """An engine whose storage is FP8 (`Quantization.stored_fp8`). Block scales: each quantized checkpoint
+        box is handed to the refit as an `FP8Landing` of its FP8 view and its scales' view (the box holds whole
+        blocks: the layout is checked so), where the blocks a sender quantized land; where the plan sends a
+        box blocks unquantized, the refit allocates a BF16 buffer for them (kept in `landing`, counted and
+        dropped here) and quantizes them into the views once the group's transfer is done. Per-tensor
+        scales: no sender can quantize a shard alone, so each box lands in a BF16 buffer of its own (in
+        `landing` and `pending`), quantized in `prepare` with its tensor's max |x| agreed over the refit."""
         q = layout.quantization
-        if q is None or not q.block:
+        if q is None or not q.stored_fp8:
             return
         specs = layout.manifest.tensors
         scales = {et.name: et for et in tensors if et.scales}
         for et in tensors:
             if et.dtype != "float8_e4m3fn":
                 continue
-            scale_et = scales[et.name.removesuffix("weight") + "weight_scale_inv"]
+            scale_et = scales[q.scale_name(et.name)]
             data, scale = params[et.name].data, params[scale_et.name].data
             for v, sv in zip(et.views, scale_et.scales):
-                buffers[specs[v.tensor].name] = FP8Landing(data[v.region], scale[sv.region], held=self.landing)
+                name = specs[v.tensor].name
+                if q.block:
+                    buffers[name] = FP8Landing(data[v.region], scale[sv.region], held=self.landing)
+                    continue
+                buf = torch.empty(v.box.sizes, dtype=getattr(torch, specs[v.tensor].dtype), device=data.device)
+                self.landing.append(buf)
+                self.pending.append((name, buf, data[v.region], scale[sv.region]))
+                buffers[name] = buf
+
+    def local_max(self, group, names: list[str]) -> dict:
+        """Each of `names`' max |x| over what arrived here (a per-tensor FP8 engine: the BF16 that vLLM or
+        `prepare` quantizes with the max over every shard)."""
+        out = {}
+        for name in names:
+            x = self.handed.get(name)
+            if isinstance(x, torch.Tensor) and x.numel():
+                lo, hi = x.aminmax()
+                out[name] = float(torch.maximum(lo.abs(), hi.abs()))
+        return out
+
+    def reduced(self, group, maxima) -> None:
+        self.maxima = dict(maxima)
+
+    def _agreed(self, name: str) -> float:
+        if name not in self.maxima:
+            raise RuntimeError(f"no max |x| was agreed for {name}")
+        return self.maxima[name]
+
+    def _quantize_pending(self) -> None:
+        """A per-tensor FP8 checkpoint: each box that arrived in BF16 quantized into its FP8 view with its
+        tensor's agreed max |x| (`base.fp8.quantize_tensor`, the conversion of vLLM's per-tensor kernel: a
+        shard quantized alone with the whole tensor's scale is the whole tensor's bytes there), its scale into
+        its slot."""
+        for name, buf, fp8, scale in self.pending:
+            q, s = quantize_tensor(buf, self._agreed(name))
+            fp8.copy_(q)
+            scale.copy_(s.reshape(scale.shape))
+        self.pending.clear()
+
+    def _module_amax(self, mod_name: str) -> list:
+        """`fp8_per_tensor`: the max |x| vLLM's processing of a module takes (`compat.agreed_amax`), in its order:
+        a linear layer's over its fused members; stacked experts' per local expert, w13 (gate and up) then w2."""
+        specs, out = self.layout.manifest.tensors, []
+        for et in sorted(self._by_module.get(mod_name, ()), key=lambda et: et.name):
+            if not et.name.endswith("weight") or not any(
+                    self.quant.quantizes(specs[v.tensor].name, specs[v.tensor].shape) for v in et.views):
+                continue
+            if len(et.shape) == 3:  # experts: one value per local expert (region[0])
+                per = [0.0] * et.shape[0]
+                for v in et.views:
+                    per[v.region[0]] = max(per[v.region[0]], self._agreed(specs[v.tensor].name))
+                out.append(torch.tensor(per, dtype=torch.float32))
+            else:
+                out.append(torch.tensor([max(self._agreed(specs[v.tensor].name) for v in et.views)]))
+        return out
+
+    def _process(self, mod_name: str, module) -> None:
+        """vLLM's processing of a staged module: as vLLM's reload runs it; `fp8_per_tensor` with the max |x| the
+        refit agreed in place of its TP all-reduce; `fp8_per_block` without its quantization, which the
+        senders did."""
+        if self._fp8_staged(mod_name, module):
+            compat.process_prequantized(module)
+        elif self.quant is not None and compat.per_tensor_online(module):
+            with compat.agreed_amax(self._module_amax(mod_name)):
+                compat.process_staged(module)
+        else:
+            compat.process_staged(module)
 
     def prepare(self, group) -> None:
         """vLLM's post-processing of the group (after the refit wrote and verified it), everything that can
@@ -188,8 +294,10 @@ class EngineTarget(Stage):
         modules, _copies, saved = self.open_group
         self._measure()  # with the BF16 landing buffers of an FP8 engine, dropped once processed
         self.landing.clear()
-        for module in modules.values():
-            compat.process_staged(module)
+        self._quantize_pending()
+        self.handed = {}  # (views of the staging: not kept past the group)
+        for mod_name, module in modules.items():
+            self._process(mod_name, module)
             cpu_repairs.repack_experts(module)
             why = compat.swap_mismatch(module)
             if why:
@@ -244,6 +352,8 @@ class EngineTarget(Stage):
         scales) and the tied and derived modules processed with them are restored as saved; the copies of the
         other parameters dropped."""
         self.landing.clear()
+        self.pending.clear()
+        self.handed, self.maxima = {}, {}
         if self.open_group is None:
             return
         modules, _copies, saved = self.open_group

@@ -160,19 +160,23 @@ def fleet_topology(tp: int, replicas: int) -> str:
 
 
 def engines(trainer: Trainer, client, model_dir: str, tp: int, ports: dict, path: str, stage_mb=None,
-            replicas: int = 1, port: str | None = None, **info):
-    """The trainer engine on this rank (`info`: more ReshardTrainerInitInfo fields)."""
+            replicas: int = 1, port: str | None = None, engine_dir: str | None = None, quantization: str = "",
+            **info):
+    """The trainer engine on this rank (`info`: more ReshardTrainerInitInfo fields; `engine_dir`: the engine's
+    model directory when it is not the trainer's, `quantization`: its `engine: {quantization}`)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from reshard_cli.engines import vllm as vb
 
     vb.register()
     mesh = f"{{tp: {tp}}}" if replicas == 1 else f"{{dp: {replicas}, tp: {tp}}}"
+    engine = f"engine: {{quantization: {quantization}}}\n" if quantization else ""
     info = vb.ReshardTrainerInitInfo(
         host="127.0.0.1", port=ports[port or path], rank=trainer.rank, path=path,
         stage_mb=stage_mb, topology=fleet_topology(tp, replicas),
         src=src_layout(model_dir),
-        dst=f"model: {os.path.join(model_dir, 'config.json')}\nformat: vllm\nmesh: {mesh}\n", **info)
+        dst=f"model: {os.path.join(engine_dir or model_dir, 'config.json')}\nformat: vllm\nmesh: {mesh}\n{engine}",
+        **info)
     return WeightTransferTrainerFactory.trainer_init(info, client=client,
                                                      source=vb.ReshardSource(trainer.checkpoint_tensors))
 
@@ -207,12 +211,18 @@ def make_engine(model_dir: str, tp: int, **kwargs):
                skip_tokenizer_init=True, max_model_len=256, **kwargs)
 
 
-def reference(ckpt: str, tp: int) -> list:
-    """Greedy tokens and logprobs of a fresh engine that loads `ckpt` itself (a subprocess of this script)."""
+STAND_INS = "vllm_stand_in_worker.StandInKernels"  # the worker extension that builds FP8 models with stand-ins
+
+
+def reference(ckpt: str, tp: int, *, stand_ins: bool = False) -> list:
+    """Greedy tokens and logprobs of a fresh engine that loads `ckpt` itself (a subprocess of this script;
+    `stand_ins`: an FP8 checkpoint, built with examples/vllm_fp8.py's stand-in kernels where vLLM has none)."""
     import subprocess
 
-    proc = subprocess.run([sys.executable, __file__, "--reference", ckpt, "--tp", str(tp)], capture_output=True,
-                          text=True)
+    path = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, __file__, "--reference", ckpt, "--tp", str(tp)]
+                          + (["--stand-ins"] if stand_ins else []), capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path})  # the stand-ins' worker extension imports
     if proc.returncode != 0:
         raise RuntimeError(f"the reference engine failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -380,9 +390,11 @@ def main() -> int:
     ap.add_argument("--json", help="write {\"cases\": [...], \"steps\": [...]} here")
     ap.add_argument("--workdir", help="where the models and per-step checkpoints go (default: a temp dir)")
     ap.add_argument("--reference", metavar="CKPT", help=argparse.SUPPRESS)  # internal: one fresh engine's output
+    ap.add_argument("--stand-ins", action="store_true", help=argparse.SUPPRESS)  # internal: an FP8 reference
     args = ap.parse_args()
     if args.reference:
-        print(json.dumps(generate(make_engine(args.reference, args.tp[0]))))
+        extra = {"worker_extension_cls": STAND_INS} if args.stand_ins else {}
+        print(json.dumps(generate(make_engine(args.reference, args.tp[0], **extra))))
         return 0
     if args.fp8_storage:
         import vllm_fp8

@@ -29,12 +29,14 @@ SCENARIOS = {
                (3, None)],
     # a process killed (SIGKILL) in the middle of a refit: the survivors name it, nobody refits again
     "trainer-killed": [(0, None), (1, "trainer-killed-third-group")],
+    # a commit that fails part-way (a defect): the workers hold different groups, and every side says so
+    "torn": [(0, None), (1, "worker-commit-fails-third-group"), (2, None)],
     "worker-killed": [(0, None), (1, "worker-killed-third-group")],
     # the commit's edges, then retry in place ten times: every init on the same port, in the same processes
     "prepare": [(0, None), (1, "worker-processing-fails-third-group"), (2, "worker-processing-fails-last-group")]
     + [(s, "worker-setup-fails") for s in range(3, 13)] + [(13, None)],
 }
-TIMEOUT = {"agreed": 120, "broken": 12, "trainer-killed": 60, "worker-killed": 60, "prepare": 120}
+TIMEOUT = {"agreed": 120, "broken": 12, "trainer-killed": 60, "worker-killed": 60, "prepare": 120, "torn": 60}
 # the group's timeout; a peer silent this long (at most 10 s) is named
 SAME_PORT = {"prepare"}  # scenarios whose every init (the first, and each after a broken group) uses one port:
 # the group before must have been released completely
@@ -204,7 +206,8 @@ def _inject(refit, target, fault, me):
             "worker-oom-third-group": "vLLM worker 1", "worker-raises-mid-transfer-second-group": "vLLM worker 0",
             "trainer-stalls-third-group": "trainer 1", "trainer-killed-third-group": "trainer 1",
             "worker-killed-third-group": "vLLM worker 1", "worker-processing-fails-third-group": "vLLM worker 1",
-            "worker-processing-fails-last-group": "vLLM worker 1", "worker-setup-fails": "vLLM worker 0"}.get(fault)
+            "worker-processing-fails-last-group": "vLLM worker 1", "worker-setup-fails": "vLLM worker 0",
+            "worker-commit-fails-third-group": "vLLM worker 1"}.get(fault)
     if mine != me:
         return lambda: None
     if fault.startswith("worker-processing-fails"):  # vLLM's processing of a group runs out of memory
@@ -218,6 +221,15 @@ def _inject(refit, target, fault, me):
             return prepare(group)
         target.prepare = preparing
         return lambda: vars(target).pop("prepare")
+    if fault == "worker-commit-fails-third-group":  # the third commit's swap fails after its first module
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+        import vllm_faults
+
+        target.commit = vllm_faults._failing_commit(target.commit)
+        return lambda: vars(target).pop("commit")
     if fault == "worker-setup-fails":  # building this rank's transfer of the first group raises
         def _install(part, shards, tensors):
             raise RuntimeError("simulated: the engine's buffers could not be allocated")
@@ -435,3 +447,31 @@ def _no_growth(leaks):
     assert len(leaks) == 10, leaks
     threads, fds = zip(*leaks)
     assert max(threads[5:]) <= max(threads[:5]) and max(fds[5:]) <= max(fds[:5]), leaks
+
+
+def test_a_commit_that_fails_part_way_is_told_as_it_is(tmp_path):
+    """A defect in a commit (worker 1's swap fails after the third group's first module, layer 1): worker 0 holds three
+    groups, worker 1 two and part of the third, and every side says so: the trainer's line names each worker's
+    groups, the engine's label is the range (`+mixed-2to3ofN`) and it is paused; worker 1 holds no module half
+    swapped (each module of that group is the old or the new step); the next refit lands exactly."""
+    model_dir = _model_dir(tmp_path, CONFIG)
+    dst = tmp_path / "vllm.yaml"
+    dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nmesh: {{tp: 2}}\n")
+    budget, _largest = _budget(dst)
+    results = _four(_trainer, _engine, str(model_dir), str(dst), budget / (1 << 20), "torn")
+    for rank in (0, 1, 2, 3):
+        print(rank, results[rank])
+    (ok0, torn0, again0), (ok1, torn1, again1) = results[2], results[3]
+    groups = ok0["groups"]
+    assert "refit rank 3 (vLLM worker 1): committing layer" in torn0["stats_error"], torn0
+    assert torn0["committed"] == 3 and torn0["wrong"] == [], torn0  # worker 0 committed the third group
+    # the third group is layer 1 (the first holds the embeddings, norm and head alone)
+    assert torn1["committed"] == 2 and torn1["wrong"] and all(".layers.1." in k for k in torn1["wrong"]), torn1
+    assert again0["wrong"] == [] == again1["wrong"] and again0["held"] == [2] == again1["held"], (again0, again1)
+    for rank in (0, 1):
+        ok, torn, again, *rest = results[rank]
+        assert ok[0] == again[0] == "ok" and torn[0] == "error", (ok, torn, again)
+        assert f"the workers hold different groups of {groups} (vLLM worker 0: 3, vLLM worker 1: 2 and part of " \
+               "layer 1)" in torn[1], torn[1]
+        if rank == 0:
+            assert rest[0] == ["step-0", f"step-1+mixed-2to3of{groups}", "paused", "step-2", "resumed"], rest

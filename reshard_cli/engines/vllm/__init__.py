@@ -21,6 +21,7 @@ Modules:
   info         the init / update info dataclasses
   handshake    the layouts from the init info's text, and the agreement on the model before a byte moves
   worker       the worker engine (inside vLLM), over `target.EngineTarget` (where the bytes land)
+  saved        what vLLM's processing of a module may replace, saved so an abort restores it exactly
   trainer      the trainer engine and its weight source
   cpu_repairs  repairs of vLLM 0.32's update path (docs/upstream/ has each defect's reproduction)
   full         the full-tensor baseline (`path: full`)

@@ -47,6 +47,17 @@ class LLMClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
 
+    def pause(self) -> None:
+        """Pause generation as a server's pause route does (mode keep): `generate` calls wait, their requests
+        queued, until `resume` (which a complete refit does for an engine reshard paused)."""
+        compat.llm_scheduler(self.llm, "pause_scheduler", "keep", False)
+
+    def resume(self) -> None:
+        compat.llm_scheduler(self.llm, "resume_scheduler")
+
+    def is_paused(self) -> bool:
+        return bool(compat.llm_scheduler(self.llm, "is_scheduler_paused"))
+
 
 ROUTES = ("reset_prefix_cache", "pause", "resume", "shutdown_weight_transfer_engine")
 
@@ -54,8 +65,7 @@ ROUTES = ("reset_prefix_cache", "pause", "resume", "shutdown_weight_transfer_eng
 def control(client, route: str, query: str = "") -> bool:
     """One of vLLM's control routes (`ROUTES`) on an engine: the client's own method when it has one, else a
     POST to the server's route when the client holds its `base_url` (vLLM's `HTTPVLLMWeightSyncClient` has no
-    method for the prefix cache or for pausing). False: this client cannot reach it (an `LLM` in this process
-    has no pause; its generation runs only when this process asks for it)."""
+    method for the prefix cache or for pausing). False: this client cannot reach it (no such method, no URL)."""
     method = getattr(client, route, None)
     if callable(method):
         method()

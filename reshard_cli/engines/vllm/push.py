@@ -23,6 +23,10 @@ from reshard_cli.transfer.results import RunReport
 from reshard_cli.transfer.run import RunOptions, load
 
 
+TELL_SECONDS = 10.0  # how long `reshard run` waits for a dropped member that has not answered, to tell it what
+# it holds, before it exits
+
+
 def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> RunReport | None:
     """Into a running `vllm serve` (`engine: {url}` in the destination layout): this job's ranks are the
     sources; the engine's workers join a refit group with them through the `reshard` weight-transfer backend
@@ -72,6 +76,9 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
     with launcher.collected("pushing into the engine"):
         for _ in range(max(opts.iters, 1)):
             reports.append(engine.send_weights())
+    if rank == 0 and not engine.settle(timeout=min(opts.timeout, TELL_SECONDS)):  # dropped members that did not
+        reports[-1]["untold"] = True  # answer yet are told on threads this process does not outlive
+    reports[-1]["told"] = [e for e in engine.events if e["event"] in ("told", "not told")]
     engine.shutdown()
     if source is not None:
         source.close()
@@ -131,13 +138,19 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
         resent = sum(r.get("resent_bytes", 0) for r in reports)
         lines.append(f"  dropped mid-refit: {'; '.join(d['why'] for d in dropped)}; the other member(s) resumed "
                      f"from the group that failed and re-sent {fmt_bytes(resent)} (--require-all makes it an error)")
+        doc["told"] = last.get("told", [])
+        told = [f"{e['member']} labelled {e['weight_version']}" + (", paused" if e["paused"] else "")
+                for e in doc["told"] if e["event"] == "told"]
+        lines.append("  told what they hold: " + ("; ".join(told) or "none") + (
+            "; a member that had not answered is labelled when added again (its session is finished then)"
+            if last.get("untold") else ""))
     fp8 = fp8_figures(plan, stats)
     if fp8 is not None:
         doc["fp8"] = {k: fp8[k] for k in ("scheme", "sender_share", "sender_quantized_bytes",
                                           "receiver_quantized_bytes", "unquantized_bytes", "wire_bytes",
                                           "bf16_wire_bytes")}
         where = ("whole blocks quantized by the trainer, cut blocks in BF16 quantized by the workers" if fp8["block"]
-                 else "BF16, quantized by vLLM after loading")
+                 else "BF16, quantized by the workers with the maximum every rank agreed")
         lines.append(f"  fp8 engine ({fp8['scheme']}): {where}; the plan's wire {fmt_bytes(fp8['wire_bytes'])}, "
                      f"a BF16 engine's {fmt_bytes(fp8['bf16_wire_bytes'])}")
     if fleet:

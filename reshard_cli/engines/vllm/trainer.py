@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
+from functools import partial as partial_call
 from typing import Callable, Mapping
 
 import torch
@@ -45,7 +46,8 @@ class UpdateFailed(RuntimeError):
         self.committed, self.groups, self.group_broken = failure.committed, failure.groups, failure.broken
         self.ranks = failure.ranks  # the refit ranks a broken group's line names (trainer r is refit rank r)
         self.held = failure.held  # every worker's refit rank -> the groups it committed, as it recorded them
-        self.line = str(failure)  # what failed, without what it left the engine doing
+        self.torn = failure.torn  # the workers whose commit failed part-way: they hold part of one more group
+        self.line = failure.line  # what failed, without what it left the engine doing
 
 
 class ReshardSource(_api.WeightSource):
@@ -90,7 +92,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         self.version: str | None = None  # the last update's weight version (what a joining member catches up to)
         self._pending: list = []  # membership changes for the next update (rank 0): ("add" | "remove", client)
         self.events: list = []  # what happened to the membership, in order (the reports carry each update's)
-        self._telling: list = []  # threads telling members that did not answer what they hold (`_tell_later`)
+        self._telling: dict = {}  # engine -> (thread, called off, lock): telling a member that did not answer
+        # what it holds (`_tell_later`)
         self._form(init_info, clients if self.is_sender else [])
         return self
 
@@ -189,6 +192,8 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                                   f"add(client, weight_version=...) naming the weights the new member is sent",
                                   key="weight_version")
             weight_version = self.version
+        if self.is_sender:
+            self._call_off(client)
         port, replicas = self._share([free_port(), getattr(client, "replicas", None) or 1]
                                      if self.is_sender else None)
         t0 = time.perf_counter()
@@ -455,11 +460,11 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         if not failure.torn and len(set(failure.held.values())) <= 1:
             where = progress(failure.groups, len(failure.committed))
         else:
-            names = rank_names(self.dst)
-            held = [f"{names(r)} {failure.held.get(r, 0)}" + (" and part of the next" if r in failure.torn else "")
-                    for r in sorted(failure.held)]
-            where = (f"the engines hold different groups of {len(failure.groups)} ({', '.join(held)}); each "
-                     f"engine's weight version says what it holds; the next refit repairs it")
+            names, n = rank_names(self.dst), len(failure.groups)
+            held = [f"{names(r)}: {k}" + (f" and part of {failure.groups[k].label}" if r in failure.torn and k < n
+                                          else "") for r, k in sorted(failure.held.items())]
+            where = (f"the workers hold different groups of {n} ({', '.join(held)}); each engine's weight version "
+                     f"says what it holds; the next refit repairs it")
         note = ("; the engine is paused until a complete refit lands (on_partial: serve keeps it serving)"
                 if paused else "")
         return f"reshard: {failure.line}; {where}{note}"
@@ -474,7 +479,9 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             if i in late:
                 self._tell_later(client, calls[i], labels.get(i), partial=partial)
                 continue
-            self._finish_update(client, labels.get(i), changed=complete or (held is not None and held.hi > 0))
+            # after a failure, an engine that is gone refuses the finish and says nothing new
+            finish = self._finish_update if complete else partial_call(_quietly, self._finish_update)
+            finish(client, labels.get(i), changed=complete or (held is not None and held.hi > 0))
             self._pause_or_resume(client, partial=partial, complete=complete)
         return any(_engine_key(c) in _PAUSED for c in self.clients)
 
@@ -483,28 +490,42 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         thread of its own, once its update call returns (within the group's timeout), it is told as the others
         were: finished, labelled, paused per `on_partial`, and its transfer engine shut down (its group is
         gone). One that never answers keeps its session open: a later `trainer_init` (or `add`) finds it open
-        in the handshake and finishes it first. `settle()` waits for these."""
+        in the handshake and finishes it first; `add` also calls the telling off (`_call_off`). `settle()`
+        waits for these."""
+        key, off, lock = _engine_key(client), threading.Event(), threading.Lock()
+
         def tell():
             call.join(timeout=self.info.timeout, quiet=True)
-            if call.thread.is_alive():
-                self.events.append({"event": "not told", "member": _name(client),
-                                    "why": f"no answer within {self.info.timeout:.0f} s"})
-                return
-            _quietly(self._finish_update, client, version, changed=version is not None)
-            _quietly(self._pause_or_resume, client, partial=partial, complete=False)
-            _quietly(control, client, "shutdown_weight_transfer_engine")
+            with lock:
+                if off.is_set() or call.thread.is_alive():
+                    why = "added again first" if off.is_set() else f"no answer within {self.info.timeout:.0f} s"
+                    self.events.append({"event": "not told", "member": _name(client), "why": why})
+                    return
+                _quietly(self._finish_update, client, version, changed=version is not None)
+                _quietly(self._pause_or_resume, client, partial=partial, complete=False)
+                _quietly(control, client, "shutdown_weight_transfer_engine")
             self.events.append({"event": "told", "member": _name(client), "weight_version": version,
-                                "paused": _engine_key(client) in _PAUSED})
+                                "paused": key in _PAUSED})
         thread = threading.Thread(target=tell, daemon=True, name=f"reshard-tell-{_name(client)}")
+        self._telling[key] = (thread, off, lock)
         thread.start()
-        self._telling.append(thread)
+
+    def _call_off(self, client) -> None:
+        """A member being added again: its pending telling (`_tell_later`) is called off, after any call it is
+        making now, so it cannot finish or shut down the new member's session."""
+        thread, off, lock = self._telling.pop(_engine_key(client), (None, None, None))
+        if thread is not None:
+            off.set()
+            with lock:
+                pass
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait for the members being told after a failure (`_tell_later`); whether all were."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in list(getattr(self, "_telling", ())):
+        threads = [t for t, _off, _lock in getattr(self, "_telling", {}).values()]
+        for thread in threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in getattr(self, "_telling", ()))
+        return not any(t.is_alive() for t in threads)
 
     def _pause_or_resume(self, client, *, partial: bool, complete: bool) -> None:
         """After an update that left an engine on a mix of two steps: pause its generation (vLLM's pause route,

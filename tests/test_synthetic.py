@@ -114,3 +114,49 @@ def test_old_generator_repeated_every_65536_elements():
     assert torch.equal(old[:1 << 17], old[1 << 16:(1 << 16) + (1 << 17)])
     new = reference_hash(3, i, 0)
     assert (new[:1 << 17] != new[1 << 16:(1 << 16) + (1 << 17)]).double().mean().item() > 0.99
+
+
+def _splitmix_lane(key: int, i: int) -> int:
+    """The definition, one element at a time on Python ints: lane i mod 4 (bits 16 (i mod 4) and up) of
+    SplitMix64's word i // 4 of the stream whose key is `key`."""
+    m = (1 << 64) - 1
+    z = (key + (i >> 2) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    z ^= z >> 31
+    return (z >> (16 * (i & 3))) & 0xFFFF
+
+
+@pytest.mark.parametrize("dtype", MANIFEST_DTYPES, ids=str)
+def test_check_generator_is_the_per_element_definition(dtype, monkeypatch):
+    """What `reshard check` compares a file with (`_SyntheticBlocks`: numpy words, lanes and the dtype's table, in
+    steps) is the definition computed element by element (`_splitmix_lane`, then the value cast by torch):
+    odd-sized shards at offsets that are multiples of nothing, rows that start at every lane of a word, steps of
+    1, 7 and 61 elements that end mid-row and mid-word, flat indices past 2^33. `_compare` finds no difference in
+    those values (and their checksum), and exactly one after one bit is flipped."""
+    from reshard_cli.base import checksums, rowsum
+    from reshard_cli.io import sources
+    from reshard_cli.io.check import _compare, _Scratch, _SyntheticBlocks
+
+    name = str(dtype).removeprefix("torch.")
+    cases = [((1001,), Box((13,), (977,))), ((37, 91), Box((5, 3), (19, 71))), ((5, 9, 13), Box((1, 2, 3), (3, 5, 7))),
+             ((3, (1 << 33) + 5), Box((1, (1 << 33) - 3), (2, 7))), ((1,), Box((0,), (1,))), ((), Box((), ()))]
+    scratch = _Scratch()
+    for t, seed in [(3, 0), (29, 11)]:
+        key = synthetic_key(t, seed)
+        for shape, box in cases:
+            idx = global_index(box, shape).reshape(-1).tolist()
+            h = torch.tensor([_splitmix_lane(key, i) for i in idx], dtype=torch.int64).reshape(box.sizes)
+            values = reference_values(h, dtype)
+            want = _bits(values).numpy()
+            gen = _SyntheticBlocks.make(t, shape, name, seed)
+            rows = rowsum.row_ids(box, shape)
+            file = want.reshape(rows.size, box.sizes[-1] if box.sizes else 1)
+            bad = want.copy()
+            bad.reshape(-1)[bad.size // 2] ^= 1
+            for step in (sources._FILL_STEP, 1, 7, 61):
+                monkeypatch.setattr(sources, "_FILL_STEP", step)
+                assert np.array_equal(gen.block(box, rows, np.empty_like(file), scratch), file), (t, shape, step)
+                assert _compare(want, gen.block, box, shape, 50, scratch)[:3] == (
+                    0, None, checksums.checksum(values, box, shape)), (t, shape, box, step)
+                assert _compare(bad, gen.block, box, shape, 50, scratch)[0] == 1, (t, shape, box, step)

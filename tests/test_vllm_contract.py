@@ -264,3 +264,26 @@ def test_the_online_fp8_processing_reshard_splits():
         "w2_scale,", "layer.w13_input_scale,", "layer.w2_input_scale,", ")",
         "layer._already_called_process_weights_after_loading = True"], experts
     assert sum("per_block_cast_to_fp8(" in x for x in experts) == 2  # w13's and w2's, before the tail
+
+
+def test_a_joiner_is_labelled_with_the_weights_it_is_sent():
+    """`add()` without a weight version labels the joiner with the last update's only while the trainer's
+    tensors are still that update's: after an in-place change (an optimizer step) it is refused in one line,
+    before anything moves; before any update there is no version to keep."""
+    import torch
+
+    from reshard_cli.engines.vllm.trainer import ReshardSource, ReshardTrainerEngine, _versions
+    from reshard_cli.errors import ConfigError
+
+    weight = torch.zeros(3)
+    engine = object.__new__(ReshardTrainerEngine)
+    engine.source, engine._trainer_size, engine.version = ReshardSource(lambda: {"w": weight}), 1, "step-1"
+    engine.is_sender = True
+    assert not engine._stepped()  # no update yet
+    engine._sent = _versions({"w": weight})
+    assert not engine._stepped()
+    weight.add_(1)  # what an optimizer step does to a parameter
+    assert engine._stepped()
+    with pytest.raises(ConfigError, match=r"changed since the last update \(step-1\): pass add\(client, "
+                                          r"weight_version=\.\.\.\)"):
+        engine.add(object())

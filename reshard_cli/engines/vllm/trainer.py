@@ -212,8 +212,9 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
 
     def _stepped(self) -> bool:
         """Whether any of this rank's tensors changed since the last update sent them (their in-place version
-        counters moved: an optimizer step)."""
-        return _versions(self._tensors()) != getattr(self, "_sent", None)
+        counters moved: an optimizer step); False before the first update (no version to keep)."""
+        sent = getattr(self, "_sent", None)
+        return sent is not None and _versions(self._tensors()) != sent
 
     def remove(self, client) -> None:
         """A member leaves the fleet at the next update (rank 0; the engine keeps what it holds)."""

@@ -196,8 +196,8 @@ def test_mixtral_names():
 
 def test_config_errors(tmp_path):
     bad = tmp_path / "config.json"
-    bad.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 3}))
-    with pytest.raises(ConfigError, match=r"config\.json: model_type: .*gpt2.*llama") as e:
+    bad.write_text(json.dumps({"model_type": "no_such_arch", "vocab_size": 3}))
+    with pytest.raises(ConfigError, match=r"config\.json: model_type: .*no_such_arch.*llama") as e:
         load_manifest(str(tmp_path))
     assert e.value.key == "model_type"
     bad.write_text(json.dumps({"model_type": "llama", "vocab_size": 3, "hidden_size": 4}))

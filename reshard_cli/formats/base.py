@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from reshard_cli.errors import ConfigError
+from reshard_cli.layouts.models import ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,17 @@ def format_mesh(doc: dict, fmt: str, dims: tuple, derived: tuple, options: str, 
         raise ConfigError(f"the {fmt} mesh dims are {order} in that order (tp fastest), got {got}", file=file,
                           key="mesh", line=doc_line(doc, "mesh"))
     return got
+
+
+def known_family(config: dict, fmt: str, framework: str, file: str) -> None:
+    """A ConfigError unless this format's storage rules know the model's family. A model without a hand table
+    (`layouts.models.ARCHITECTURES`) is listed from transformers' own classes and plans in checkpoint format
+    (`format: hf`, an FSDP2/DTensor trainer), but where `framework` keeps its tensors is not restated for it:
+    default rules would place a Mamba `in_proj` or a fused linear-attention projection wrongly, and silently."""
+    family = config.get("model_type")
+    if family not in ARCHITECTURES:
+        raise ConfigError(f"`format: {fmt}` knows {framework}'s storage of {', '.join(ARCHITECTURES)}, not of "
+                          f"{family!r} (its checkpoint plans and refits as `format: hf`)", file=file, key="format")
 
 
 def format_options(doc: dict, key: str, allowed: tuple, file: str) -> dict:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from reshard_cli.base.geometry import Box, chunk_size
 from reshard_cli.errors import ConfigError
-from reshard_cli.formats.base import Format, doc_line, format_mesh, format_options, storage_summary
+from reshard_cli.formats.base import Format, doc_line, format_mesh, format_options, known_family, storage_summary
 from reshard_cli.formats.storage import EngineTensor, View
 from reshard_cli.layouts.layout import layout_from_doc
 
@@ -104,6 +104,7 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if not config:
         raise ConfigError(f"`format: megatron` needs the model's HF config (heads, vocab); {manifest.name!r} has "
                           f"none: name a bundled model or a config.json", file=file, key="model")
+    known_family(config, "megatron", "Megatron-core", file)
     tp, pp = int(mesh.get("tp", 1)), int(mesh.get("pp", 1))
     world = 1
     for n in mesh.values():

@@ -34,7 +34,7 @@ import re
 
 from reshard_cli.base.geometry import chunk_size
 from reshard_cli.errors import ConfigError
-from reshard_cli.formats.base import Format, doc_line, format_mesh, format_options, storage_summary
+from reshard_cli.formats.base import Format, doc_line, format_mesh, format_options, known_family, storage_summary
 from reshard_cli.formats.storage import EngineTensor, View  # noqa: F401 - re-exported
 from reshard_cli.layouts.quant import quantization_of
 
@@ -77,6 +77,7 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if not config:
         raise ConfigError(f"`format: vllm` needs the model's HF config (heads, vocab); {manifest.name!r} has "
                           f"none: name a bundled model or a config.json", file=file, key="model")
+    known_family(config, "vllm", "vLLM", file)
     quantization_of(engine.get("quantization"), config, file=file, key="engine.quantization",
                     line=_line(engine, "quantization"))  # checked against the model here; kept by `engine_block`
     tp = int(mesh.get("tp", 1))

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from reshard_cli.errors import ConfigError
 from reshard_cli.layouts import bundled
+from reshard_cli.layouts.hf_meta import tensors_from_transformers
 from reshard_cli.layouts.yamlio import check_keys, line_of, load_yaml
 
 
@@ -338,7 +339,12 @@ def _mla_attention(b: _Builder, c: _Config, p: str, model_type: str) -> None:
 
 
 def _dense_mlp(b: _Builder, c: _Config, p: str, i: int) -> None:
-    b.mlp(f"{p}.mlp", c.size("hidden_size"), c.size("intermediate_size"))
+    """gate/up/down; with `mlp_bias` (Llama's, honoured by transformers' and vLLM's LlamaMLP) their biases."""
+    hidden, inter = c.size("hidden_size"), c.size("intermediate_size")
+    b.mlp(f"{p}.mlp", hidden, inter)
+    if c.raw.get("mlp_bias"):
+        for proj, rows in (("gate_proj", inter), ("up_proj", inter), ("down_proj", hidden)):
+            b.add(f"{p}.mlp.{proj}.bias", rows)
 
 
 def _qwen3_moe_mlp(b: _Builder, c: _Config, p: str, i: int) -> None:
@@ -407,9 +413,8 @@ def manifest_from_hf_config(config: dict, *, name: str, dtype: str | None = None
         else (source or name)
     c = _Config(config, file)
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ConfigError(f"unsupported model_type {model_type!r} (supported: {', '.join(ARCHITECTURES)})",
-                          file=file, key="model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"expected a model type, got {model_type!r}", file=file, key="model_type")
     if dtype is not None:
         default, force = normalize_dtype(dtype), True
     else:
@@ -418,6 +423,15 @@ def manifest_from_hf_config(config: dict, *, name: str, dtype: str | None = None
             default, force = normalize_dtype(raw_dtype), False
         except ValueError as e:
             raise ConfigError(str(e), file=file, key="torch_dtype" if "torch_dtype" in config else "dtype") from None
+    if model_type not in ARCHITECTURES:  # no table here: transformers' own model class lists it (`hf_meta`)
+        try:
+            learnt = tensors_from_transformers(config, file)
+        except ConfigError as e:
+            why = str(e).removeprefix(f"{file}: model_type: ")
+            raise ConfigError(f"unsupported model_type {model_type!r} (tables: {', '.join(ARCHITECTURES)}; "
+                              f"transformers: {why})", file=file, key="model_type") from None
+        specs = tuple(TensorSpec(n, tuple(shape), default if force else d) for n, shape, d in learnt)
+        return Manifest(name=name, tensors=specs, source=source, config=dict(config))
     attention, mlp = ARCHITECTURES[model_type]
     hidden, vocab = c.size("hidden_size"), c.size("vocab_size")
     b = _Builder(default, force)

@@ -202,8 +202,10 @@ def fp8_config(bf16: str, out: str) -> None:
 
     os.makedirs(out, exist_ok=True)
     config = json.load(open(os.path.join(bf16, "config.json")))
-    with open(os.path.join(out, "config.json"), "w") as f:
+    tmp = os.path.join(out, f".config.json.{os.getpid()}")
+    with open(tmp, "w") as f:
         json.dump(vllm_fp8.fp8_config(config), f)
+    os.replace(tmp, os.path.join(out, "config.json"))  # whole: trainer rank 1 may be reading it
 
 
 # ------------------------------------------------------------------------------------------ trainer rank 1

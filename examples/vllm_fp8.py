@@ -118,8 +118,11 @@ def _router_gates(config: dict) -> list[str]:
         return []
     dense = set(config.get("mlp_only_layers", []))
     step = config.get("decoder_sparse_step", 1)
+    # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts: missing it listed no gate, and vLLM
+    # then quantized every router while the checkpoint held it in BF16 (loaded by a silent cast, scales unset)
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
     return [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])
-            if i not in dense and config.get("num_experts", 0) > 0 and (i + 1) % step == 0]
+            if i not in dense and experts > 0 and (i + 1) % step == 0]
 
 
 def fp8_config(config: dict) -> dict:

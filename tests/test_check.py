@@ -317,12 +317,11 @@ def test_fast_checksum_block_sizes():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn,
                                    torch.float8_e5m2, torch.float64, torch.int8, torch.int32, torch.int64,
                                    torch.uint8, torch.bool], ids=str)
-def test_fast_synthetic_values_are_the_generator_s(dtype, monkeypatch):
+def test_fast_synthetic_values_are_the_generator_s(dtype):
     """Blocks `reshard check` generates (numpy, raw bits, into scratch) equal torch's synthetic_values bit for bit
-    (seeds, tensor indices, 0-3 dims, flat indices past 2^32, rows starting at every lane of a hash word, wide rows
-    cut into steps, many narrow rows per step), and `_compare` finds one damaged element among them, where it is,
-    and gives the file's checksum."""
-    from reshard_cli.io import sources
+    (seeds, tensor indices, 0-3 dims, flat indices past 2^32, rows starting at every lane of a hash word, rows
+    across span boundaries, many narrow rows per span), and `_compare` finds one damaged element among them, where
+    it is, and gives the file's checksum."""
     from reshard_cli.io.check import _compare, _Scratch, _SyntheticBlocks
 
     scratch = _Scratch()
@@ -331,8 +330,8 @@ def test_fast_synthetic_values_are_the_generator_s(dtype, monkeypatch):
              ((300, 256), Box((17, 0), (200, 256))), ((256, 1000), Box((0, 500), (256, 500))),
              ((7, 9, 11), Box((1, 2, 3), (5, 6, 7))), ((3, 70000), Box((1, 3), (2, 69990))),
              ((1 << 20, 4096), Box(((1 << 20) - 8, 1024), (8, 1024))), ((64, 3001), Box((3, 7), (40, 2994))),
-             ((50, 7), Box((3, 2), (40, 3))), ((), Box((), ())), ((1,), Box((0,), (1,)))]
-    default = sources._FILL_STEP
+             ((50, 7), Box((3, 2), (40, 3))), ((), Box((), ())), ((1,), Box((0,), (1,))),
+             ((5, 1 << 21), Box((1, (1 << 20) - 5), (3, (1 << 20) + 10)))]
     for t, seed in [(0, 0), (5, 3), (112, -7), (1000, 123456789)]:
         for shape, box in cases:
             gen = _SyntheticBlocks.make(t, shape, name, seed)
@@ -340,10 +339,8 @@ def test_fast_synthetic_values_are_the_generator_s(dtype, monkeypatch):
             rows = rowsum.row_ids(box, shape)
             values = synthetic_values(t, box, shape, dtype, seed)
             want = _np(values).reshape(rows.size, box.sizes[-1] if box.sizes else 1)
-            for step in (default, 999):  # and steps shorter than the rows, starting at any lane
-                monkeypatch.setattr(sources, "_FILL_STEP", step)
-                got = gen.block(box, rows, np.empty_like(want), scratch)
-                assert got.dtype == want.dtype and np.array_equal(got, want), (step, t, seed, shape, box)
+            got = gen.block(box, rows, np.empty_like(want), scratch)
+            assert got.dtype == want.dtype and np.array_equal(got, want), (t, seed, shape, box)
             if seed == 3:
                 assert _compare(want.reshape(box.sizes), gen.block, box, shape, 1 << 12, scratch)[:3] == (
                     0, None, checksums.checksum(values, box, shape))

@@ -96,7 +96,8 @@ def test_synthetic_values_deterministic_and_box_consistent():
         box = Box((2, 1), (5, 4))
         part = synthetic_values(3, box, shape, dtype)
         assert torch.equal(bits(part), bits(full[box.slices()].contiguous()))
-    # the formula, spelled out for one element: lane i % 4 of SplitMix64's word i // 4 of the (t, seed) stream
+    # the formula, spelled out for one element: the rotation r of its span (i // 2^20) is the top 20 bits of word
+    # i // 2^20 of SplitMix64's (t, seed) stream; h is lane p % 4 of word p // 4 of key 0's, p = (i % 2^20 + r) % 2^20
     i, t, seed = 2 * 6 + 3, 3, 5
     mask = (1 << 64) - 1
 
@@ -105,7 +106,9 @@ def test_synthetic_values_deterministic_and_box_consistent():
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         return z ^ (z >> 31)
     key = mix(mix(t + 1) ^ seed)
-    h = (mix((key + (i // 4) * 0x9E3779B97F4A7C15) & mask) >> (16 * (i % 4))) & 0xFFFF
+    r = mix((key + (i >> 20) * 0x9E3779B97F4A7C15) & mask) >> 44
+    p = (i % (1 << 20) + r) % (1 << 20)
+    h = (mix(((p // 4) * 0x9E3779B97F4A7C15) & mask) >> (16 * (p % 4))) & 0xFFFF
     assert synthetic_hash(t, i, seed) == h
     assert synthetic_values(t, Box((2, 3), (1, 1)), shape, torch.float32, seed).item() == h / 32768 - 1
     assert synthetic_values(t, Box((2, 3), (1, 1)), shape, torch.int64, seed).item() == h % 127

@@ -54,18 +54,6 @@ def _fmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def synthetic_key(t: int, seed: int = 0) -> int:
-    """The 64-bit key of tensor `t` under `seed` (any Python ints): every (t, seed) its own stream."""
-    return _fmix64(_fmix64((t + 1) & _M64) ^ (seed & _M64))
-
-
-def synthetic_hash(t: int, i: int, seed: int = 0) -> int:
-    """The 16-bit hash h of global flat index `i` of tensor `t`: lane i mod 4 of word i // 4 of the tensor's
-    SplitMix64 stream (the formula `synthetic_values` and `synthetic_fill` compute, spelled out on Python ints)."""
-    word = _fmix64((synthetic_key(t, seed) + (i >> 2) * _GOLDEN) & _M64)
-    return (word >> (16 * (i & 3))) & 0xFFFF
-
-
 @functools.lru_cache(maxsize=32)
 def synthetic_table(dtype: str) -> "np.ndarray | None":
     """The value of every 16-bit hash h as raw bits (`rowsum.bits_dtype`: int16 for bfloat16, ...), read-only,
@@ -105,37 +93,82 @@ def synthetic_table(dtype: str) -> "np.ndarray | None":
     return values
 
 
-# elements per step of `synthetic_fill` (~6 MiB of words and indices): long enough that numpy's calls, which
-# release the GIL, dominate the Python between them, so the check's threads run side by side
-_FILL_STEP = 1 << 19
+def synthetic_key(t: int, seed: int = 0) -> int:
+    """The 64-bit key of tensor `t` under `seed` (any Python ints): every (t, seed) its own stream."""
+    return _fmix64(_fmix64((t + 1) & _M64) ^ (seed & _M64))
 
 
-_fill_local = threading.local()
+# The values of a synthetic tensor are one fixed random sequence of SPAN hashes (the period), read from a
+# different place in every span of SPAN elements: element i of tensor t is the period's hash at position
+# (i mod SPAN + R) mod SPAN, R = the rotation of span i // SPAN (20 bits of the tensor's own SplitMix64 stream).
+# Data moved by d elements lands where the expected values are the period read from another position: unlike
+# it everywhere unless both spans' rotations happen to differ by exactly -d mod SPAN (chance 2^-20 per pair
+# of spans, whatever d is: 2^16 and every other power of two included), and the same holds between tensors
+# and seeds. Generating a span's values is a copy out of the period (memory speed), not a hash per element.
+SPAN_BITS = 20
+SPAN = 1 << SPAN_BITS
 
 
-def _fill_buffers(words: int, elems: int) -> tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
-    """This thread's scratch for `synthetic_fill`: two arrays of at least `words` uint64, one of `elems` intp
-    (kept between calls: a block's steps and the next block's reuse them)."""
+def synthetic_rotation(key: int, span: int) -> int:
+    """The rotation of span `span` (global flat indices span * SPAN ..) of the stream of `key`: the top
+    SPAN_BITS bits of its SplitMix64 word `span`."""
+    return _fmix64((key + span * _GOLDEN) & _M64) >> (64 - SPAN_BITS)
+
+
+def _period_hash(p: int) -> int:
+    """The period's 16-bit hash at position `p` (0 <= p < SPAN): lane p mod 4 (bits 16 (p mod 4) and up) of
+    SplitMix64's word p // 4 of the stream of key 0."""
+    return (_fmix64((p >> 2) * _GOLDEN & _M64) >> (16 * (p & 3))) & 0xFFFF
+
+
+def synthetic_hash(t: int, i: int, seed: int = 0) -> int:
+    """The 16-bit hash h of global flat index `i` of tensor `t` (the definition `synthetic_values` and
+    `synthetic_fill` compute, spelled out on Python ints)."""
+    rotation = synthetic_rotation(synthetic_key(t, seed), i >> SPAN_BITS)
+    return _period_hash(((i & (SPAN - 1)) + rotation) & (SPAN - 1))
+
+
+def _mix_array(words: "np.ndarray") -> "np.ndarray":
+    """SplitMix64's output mix of uint64 `words`, in place (wrapping arithmetic)."""
     import numpy as np
 
-    bufs = getattr(_fill_local, "bufs", None)
-    if bufs is None or bufs[0].size < words or bufs[2].size < elems:
-        words, elems = max(words, bufs[0].size if bufs else 0), max(elems, bufs[2].size if bufs else 0)
-        bufs = _fill_local.bufs = (np.empty(words, dtype=np.uint64), np.empty(words, dtype=np.uint64),
-                                   np.empty(elems, dtype=np.intp))
-    return bufs
+    words ^= words >> np.uint64(30)
+    words *= np.uint64(_MIX1)
+    words ^= words >> np.uint64(27)
+    words *= np.uint64(_MIX2)
+    words ^= words >> np.uint64(31)
+    return words
 
 
-def synthetic_fill(out: "np.ndarray", starts: "np.ndarray", key: int,
-                   table: "np.ndarray | None" = None) -> "np.ndarray":
+@functools.lru_cache(maxsize=8)
+def synthetic_period(dtype: "str | None") -> "np.ndarray":
+    """The period as the values of torch dtype name `dtype` (raw bits, `synthetic_table`), or as the hashes
+    themselves (uint16) for None: positions 0 .. 2 * SPAN - 1, position p holding the hash at p mod SPAN, so a
+    span's values from any rotation are one slice. Read-only; built once per dtype (~20 ms)."""
+    import numpy as np
+
+    words = _mix_array(np.arange(SPAN // 4, dtype=np.uint64) * np.uint64(_GOLDEN))
+    h = (words if sys.byteorder == "little" else words.byteswap()).view("<u2").astype(np.uint16)
+    h = np.concatenate([h, h])
+    table = synthetic_table(dtype) if dtype is not None else None
+    if dtype is not None and table is None:
+        raise ValueError(f"no synthetic values of dtype {dtype}")
+    period = h if table is None else table[h]
+    period.flags.writeable = False
+    return period
+
+
+def synthetic_fill(out: "np.ndarray", starts: "np.ndarray", key: int, period: "np.ndarray") -> "np.ndarray":
     """Write synthetic values into `out` ([rows, n], C-contiguous) and return it: row k holds global flat indices
-    starts[k] .. starts[k] + n - 1 of the tensor of `key` (`synthetic_key`), as table[h] (`synthetic_table`,
-    raw bits of out's dtype) or, table None, the hashes h themselves. numpy only (any thread, no torch).
+    starts[k] .. starts[k] + n - 1 of the tensor of `key` (`synthetic_key`), read from `period`
+    (`synthetic_period`: values as raw bits of out's dtype, or hashes cast into out). numpy only (any thread).
 
-    Word q of the stream is SplitMix64's mix of key + q * 0x9E3779B97F4A7C15 (uint64 arithmetic, wrapping);
-    h of flat index i is its 16-bit lane i mod 4 (bits 16 (i mod 4) and up). Each step computes the words of
-    up to `_FILL_STEP` elements (a quarter of a word per element in long rows), in place."""
+    Rows inside one span are slices of the period at positions (start mod SPAN) + rotation; runs of such rows
+    with equal steps between their starts are copied as one strided view, so the work is a copy of every value
+    and a few numpy calls per span and per run, whatever the rows' width; a row that crosses spans is copied in
+    pieces."""
     import numpy as np
+    from numpy.lib.stride_tricks import as_strided
 
     rows, n = out.shape
     if not out.size:
@@ -147,66 +180,50 @@ def synthetic_fill(out: "np.ndarray", starts: "np.ndarray", key: int,
         raise ValueError(f"{starts.size} row starts for {rows} rows")
     result = out
     if rows > 1 and bool((starts[1:] - starts[:-1] == n).all()):  # consecutive rows: one run
-        out, starts, rows, n = out.reshape(1, rows * n), starts[:1], 1, rows * n
-    width = min(n, _FILL_STEP)  # columns per step
-    per = min(rows, max(1, _FILL_STEP // width))  # rows per step
-    words_per_row = (width + 6) // 4  # any starting lane
-    z, tmp, index = _fill_buffers(per * words_per_row, per * width)
-    steps = np.arange(words_per_row, dtype=np.uint64) * np.uint64(_GOLDEN)
-    key64, golden = np.uint64(key & _M64), np.uint64(_GOLDEN)
-    little = sys.byteorder == "little"
-    for r0 in range(0, rows, per):
-        r1 = min(rows, r0 + per)
-        for c0 in range(0, n, width):
-            m = min(width, n - c0)
-            first = starts[r0:r1] + c0
-            phase = first & 3
-            one = bool((phase == phase[0]).all())
-            k = (int(phase[0]) + m + 3) // 4 if one else (m + 6) // 4
-            w = z[:(r1 - r0) * k].reshape(r1 - r0, k)
-            tw = tmp[:w.size].reshape(w.shape)
-            base = (first >> 2).astype(np.uint64) * golden + key64
-            np.add(base[:, None], steps[None, :k], out=w)
-            np.right_shift(w, np.uint64(30), out=tw)  # SplitMix64's mix, in place
-            np.bitwise_xor(w, tw, out=w)
-            np.multiply(w, np.uint64(_MIX1), out=w)
-            np.right_shift(w, np.uint64(27), out=tw)
-            np.bitwise_xor(w, tw, out=w)
-            np.multiply(w, np.uint64(_MIX2), out=w)
-            np.right_shift(w, np.uint64(31), out=tw)
-            np.bitwise_xor(w, tw, out=w)
-            lanes = (w if little else w.byteswap()).view("<u2")  # lane j: bits 16j .. 16j + 15 of its word
-            dest = out[r0:r1, c0:c0 + m]
-            for p in ([int(phase[0])] if one else range(4)):
-                sel = slice(None) if one else np.flatnonzero(phase == p)
-                h = lanes[sel, p:p + m]
-                if not h.size:
-                    continue
-                if table is None:
-                    if one:
-                        np.copyto(dest, h, casting="unsafe")
-                    else:
-                        dest[sel] = h
-                    continue
-                idx = index[:h.size].reshape(h.shape)
-                np.copyto(idx, h, casting="unsafe")
-                if one:
-                    np.take(table, idx, out=dest, mode="wrap")
-                else:
-                    dest[sel] = np.take(table, idx, mode="wrap")
+        out, starts, rows = out.reshape(1, rows * n), starts[:1], 1
+        n = out.shape[1]
+    offset = starts & (SPAN - 1)
+    span = starts >> SPAN_BITS
+    crossing = offset + n > SPAN
+    rotation = (_mix_array(span.astype(np.uint64) * np.uint64(_GOLDEN) + np.uint64(key & _M64))
+                >> np.uint64(64 - SPAN_BITS)).astype(np.int64)
+    position = offset + rotation  # of each row's first value in the period (rows inside one span)
+    step = np.diff(starts)
+    # a run of rows: one span, none crossing, equal steps between starts (so between positions)
+    cut = np.ones(rows, dtype=bool)
+    if rows > 1:
+        cut[1:] = (span[1:] != span[:-1]) | crossing[1:] | crossing[:-1] | (step < 0)
+        cut[2:] |= step[1:] != step[:-1]
+    bounds = np.flatnonzero(cut).tolist() + [rows]
+    size = period.itemsize
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        if crossing[a]:  # one row over two or more spans: piece by piece
+            g, j = int(starts[a]), 0
+            while j < n:
+                o = g & (SPAN - 1)
+                m = min(n - j, SPAN - o)
+                p = o + synthetic_rotation(key, g >> SPAN_BITS)
+                np.copyto(out[a, j:j + m], period[p:p + m], casting="unsafe")
+                g, j = g + m, j + m
+            continue
+        stride = int(step[a]) if e - a > 1 else 0
+        view = as_strided(period[int(position[a]):], shape=(e - a, n), strides=(stride * size, size),
+                          writeable=False)
+        np.copyto(out[a:e], view, casting="unsafe")
     return result
 
 
 def synthetic_values(t: int, box: Box, shape: tuple, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """Deterministic values of global region `box` of tensor `t` (any rank can compute any expected value).
 
-    h = lane i mod 4 (bits 16 (i mod 4) .. + 15) of word i // 4 of a SplitMix64 stream keyed by (t, seed), i the
-    global flat index: word q = mix64(key(t, seed) + q * 0x9E3779B97F4A7C15) (`synthetic_hash` spells it out on
-    Python ints, `synthetic_fill` computes it in numpy). The words are a bijection of distinct states, so nothing
-    repeats at a power-of-two period (or any short one): data moved by any offset, 2^16 included, differs from
-    the right values about as often as random values would. floats: h / 32768 - 1 cast to `dtype` (exact in
-    fp32; rounded to nearest even for narrower types, so still a pure function of (t, i, seed)); ints: h % 127;
-    bool: h & 1. Computed on the CPU, through the dtype's table of values (`synthetic_table`).
+    h = the 16-bit hash of global flat index i: the period's hash at position (i mod 2^20 + R) mod 2^20, where
+    the period's hash at p is lane p mod 4 of SplitMix64's word p // 4 of key 0, and R, the rotation of span
+    i // 2^20, is the top 20 bits of word i // 2^20 of the SplitMix64 stream keyed by (t, seed)
+    (`synthetic_hash` spells it out on Python ints, `synthetic_fill` computes it in numpy). Nothing repeats at a
+    power-of-two period (or any other): data moved by any offset differs from the right values about as often
+    as random values would, but for a 2^-20 chance per pair of spans. floats: h / 32768 - 1 cast to `dtype`
+    (exact in fp32; rounded to nearest even for narrower types, so still a pure function of (t, i, seed));
+    ints: h % 127; bool: h & 1. Computed on the CPU, through the dtype's period of values (`synthetic_period`).
     """
     import numpy as np
     import torch
@@ -219,12 +236,14 @@ def synthetic_values(t: int, box: Box, shape: tuple, dtype: torch.dtype, seed: i
         return torch.empty(box.sizes, dtype=dtype)
     ncols, col0 = (box.sizes[-1], box.offsets[-1]) if box.sizes else (1, 0)
     starts = rowsum.row_ids(box, shape) * (shape[-1] if shape else 1) + col0
-    table = synthetic_table(str(dtype).removeprefix("torch."))
-    if table is not None:
-        bits = synthetic_fill(np.empty((starts.size, ncols), dtype=table.dtype), starts, synthetic_key(t, seed), table)
+    name = str(dtype).removeprefix("torch.")
+    key = synthetic_key(t, seed)
+    if synthetic_table(name) is not None:
+        period = synthetic_period(name)
+        bits = synthetic_fill(np.empty((starts.size, ncols), dtype=period.dtype), starts, key, period)
         return torch.from_numpy(bits).view(dtype).reshape(box.sizes)
-    h = torch.from_numpy(synthetic_fill(np.empty((starts.size, ncols), dtype=np.int32), starts,
-                                        synthetic_key(t, seed))).reshape(box.sizes)
+    h = torch.from_numpy(synthetic_fill(np.empty((starts.size, ncols), dtype=np.int32), starts, key,
+                                        synthetic_period(None))).reshape(box.sizes)
     if dtype == torch.bool:
         return (h & 1).bool()
     if dtype.is_floating_point:
@@ -942,4 +961,5 @@ def _open_path(kind: str, path: Path, shown: str, manifest: Manifest, *, file: s
 
 __all__ = ["KINDS", "Source", "SyntheticSource", "SafetensorsSource", "ShardsSource", "DcpSource",
            "MegatronDistSource", "open_source",
-           "synthetic_fill", "synthetic_hash", "synthetic_key", "synthetic_table", "synthetic_values"]
+           "SPAN", "synthetic_fill", "synthetic_hash", "synthetic_key", "synthetic_period", "synthetic_rotation",
+           "synthetic_table", "synthetic_values"]

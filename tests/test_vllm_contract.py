@@ -92,6 +92,17 @@ SYMBOLS: list[tuple[str, str, tuple | None]] = [
     ("vllm.model_executor.utils", "replace_parameter", ((X, X, X), ())),
     # the full path's loader, on the model the tests load
     ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeForCausalLM.load_weights", ((X,), ())),
+    # derivation (engines/vllm/derive.py): a rank's model built in-process under stand-in parallel groups
+    *[("vllm.distributed.parallel_state", group, None) for group in ("_TP", "_WORLD", "_EP", "_PP", "_DP", "_PCP",
+                                                                     "_DCP")],
+    ("vllm.config", "ParallelConfig", ((), ("tensor_parallel_size", "enable_expert_parallel",
+                                            "expert_placement_strategy"))),
+    ("vllm.config", "ModelConfig", ((), ("model", "skip_tokenizer_init", "dtype", "enforce_eager"))),
+    ("vllm.config", "VllmConfig", ((), ("model_config", "parallel_config", "device_config"))),
+    ("vllm.config", "DeviceConfig", ((X,), ())),
+    ("vllm.config", "set_current_vllm_config", ((X,), ())),
+    ("vllm.model_executor.model_loader.utils", "initialize_model", ((), ("vllm_config",))),
+    ("vllm.utils.torch_utils", "set_default_torch_dtype", ((X,), ())),
 ]
 
 

@@ -44,11 +44,11 @@ ENGINE_KEYS = ("expert_parallel", "expert_placement", "kind", "quantization", "s
 DIMS = ("dp", "pp", "tp")
 
 # checkpoint-name patterns (HF naming, as the manifests list them)
-_COLUMN = r"(q_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$"
-_ROW = r"(o_proj|down_proj)\.weight$"
+_COLUMN = r"(q_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$|experts\.\d+\.(w1|w3)\.weight$"
+_ROW = r"(o_proj|down_proj)\.weight$|experts\.\d+\.w2\.weight$"  # Mixtral's experts: w1 gate, w3 up, w2 down
 _KV = r"(k_proj|v_proj)\.(weight|bias)$"
 _VOCAB = r"embed_tokens\.weight$|lm_head\.weight$"
-_EXPERT = r"mlp\.experts\.\d+\."
+_EXPERT = r"(mlp|block_sparse_moe)\.experts\.\d+\."
 
 
 def vllm_pp_layers(num_layers: int, pp: int) -> list[int]:
@@ -185,7 +185,9 @@ _FUSED = (  # vLLM name part, [(HF name part, ...)] stacked along dim 0 in this 
     ("gate_up_proj", ("gate_proj", "up_proj")),
     ("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa")),  # MLA with q_lora_rank (replicated)
 )
-_EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(r"^(?P<pre>.*\.(mlp|block_sparse_moe)\.experts)\.(?P<e>\d+)\."
+                        r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's names
 
 
 def storage(layout, rank: int) -> list[EngineTensor]:
@@ -326,7 +328,7 @@ def _expert_stacks(tensors, held: dict, done: set) -> list[EngineTensor]:
         m = _EXPERT_RE.match(tensors[t].name)
         if m and t not in done:
             st = stacks.setdefault(m["pre"], {})
-            st.setdefault(int(m["e"]), {})[m["proj"]] = (t, box)
+            st.setdefault(int(m["e"]), {})[_EXPERT_PROJ.get(m["proj"], m["proj"])] = (t, box)
     out = []
     for pre, experts in stacks.items():
         order = sorted(experts)

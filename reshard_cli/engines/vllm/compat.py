@@ -410,3 +410,47 @@ def per_block_online(module) -> bool:
 
     return isinstance(getattr(module, "quant_method", None),
                       (online.Fp8PerBlockOnlineLinearMethod, online.Fp8PerBlockOnlineMoEMethod))
+
+
+# ------------------------------------------------------------------------------ derivation (engines/vllm/derive)
+
+
+@contextlib.contextmanager
+def standin_groups(groups: dict):
+    """vLLM's parallel groups (`parallel_state._TP`, `_EP`, ... by those names) replaced by `groups`' objects
+    while open: model construction and the loaders read rank and size from them, in one process."""
+    from unittest import mock
+
+    from vllm.distributed import parallel_state as ps
+
+    with contextlib.ExitStack() as stack:
+        for name, group in groups.items():
+            stack.enter_context(mock.patch.object(ps, name, group))
+        yield
+
+
+def build_model(model_dir: str, *, tp_size: int, expert_parallel: bool, expert_placement: str, dtype: str,
+                device: str):
+    """vLLM's model for the HF config in `model_dir` as one TP rank builds it (no weights loaded, no engine,
+    CPU device config), its parameters on torch device `device` ("meta" where construction allows), in model
+    dtype `dtype`: (model, vllm_config). Each call builds a config of its own (a model registers its layers in
+    it)."""
+    import torch
+    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    pc = ParallelConfig(tensor_parallel_size=tp_size, enable_expert_parallel=expert_parallel,
+                        expert_placement_strategy=expert_placement)
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
+    vc = VllmConfig(model_config=mc, parallel_config=pc, device_config=DeviceConfig("cpu"))
+    with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype), torch.device(device):
+        return initialize_model(vllm_config=vc), vc
+
+
+def load_under(vllm_config, model, weights) -> None:
+    """`model.load_weights(weights)` (an iterable of (name, tensor)) under `vllm_config`, current."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config):
+        model.load_weights(weights)

@@ -106,7 +106,7 @@ def test_sweep_and_report_text():
 
 def test_expected_values_catch_wrong_elements():
     from reshard_cli.layouts.models import TensorSpec
-    from reshard_cli.io.sources import synthetic_values
+    from reshard_cli.io.synthetic import synthetic_values
     from reshard_cli.transfer.shards import LocalShard, fill_sentinel
 
     man = (TensorSpec("w", (6, 4), "bfloat16"), TensorSpec("v", (5,), "float32"))

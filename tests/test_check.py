@@ -14,7 +14,8 @@ from reshard_cli.base import checksums, rowsum
 from reshard_cli.io.check import blocks, check_output
 from reshard_cli.base.geometry import Box
 from reshard_cli.formats import load_pair
-from reshard_cli.io.sources import open_source, synthetic_values
+from reshard_cli.io.sources import open_source
+from reshard_cli.io.synthetic import synthetic_values
 
 TRAIN, INFER = ROOT / "layouts/demo/train.yaml", ROOT / "layouts/demo/infer.yaml"
 

@@ -94,7 +94,7 @@ def test_checkpoint_source_and_bad_checkpoint(tmp_path):
     """A safetensors checkpoint in, on a small model; a wrong checkpoint stops before any transfer."""
     src, dst = write_pair(tmp_path, "tp2_to_tp3")
     from reshard_cli.formats import load_layout
-    from reshard_cli.io.sources import synthetic_values
+    from reshard_cli.io.synthetic import synthetic_values
     from reshard_cli.base.geometry import Box
 
     man = load_layout(src).manifest

@@ -17,8 +17,8 @@ from reshard_cli.io import sinks
 from reshard_cli.errors import ConfigError, RuntimeFailure
 from reshard_cli.base.geometry import Box
 from reshard_cli.formats import load_layout, load_pair
-from reshard_cli.io.sources import (DcpSource, SafetensorsSource, ShardsSource, SyntheticSource, open_source,
-                                 synthetic_hash, synthetic_values)
+from reshard_cli.io.sources import DcpSource, SafetensorsSource, ShardsSource, SyntheticSource, open_source
+from reshard_cli.io.synthetic import synthetic_hash, synthetic_values
 from reshard_cli.base.checksums import checksum, fmt
 
 # SMALL_MODEL plus an int64 tensor (sharded: its name matches the `embed` rules), a 0-d int64 and a bool.

@@ -8,7 +8,7 @@ import torch
 
 from reshard_cli.base.checksums import global_index
 from reshard_cli.base.geometry import Box
-from reshard_cli.io.sources import (SPAN, synthetic_fill, synthetic_hash, synthetic_key, synthetic_period,
+from reshard_cli.io.synthetic import (SPAN, synthetic_fill, synthetic_hash, synthetic_key, synthetic_period,
                                     synthetic_table, synthetic_values)
 
 MANIFEST_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn,

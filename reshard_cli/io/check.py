@@ -10,7 +10,7 @@ One pass, zero copies where possible, and no torch unless the source needs it (n
 in a fraction of the time importing torch takes). Each rank file is mapped into memory (`io.mapped`: our
 restricted header parse, no pickle) and its shards are raw-bits views of the mapping (int16 for bf16, ...); a
 safetensors source is mapped the same way (`Source.array`); synthetic values are generated per block in numpy
-(`sources.synthetic_fill`, the code `SyntheticSource.read` runs: each span of 2^20 elements is a copy of the
+(`synthetic.synthetic_fill`, the code `SyntheticSource.read` runs: each span of 2^20 elements is a copy of the
 dtype's period of values from the span's own rotation); other sources are read with `Source.read` (torch),
 block by block. Each block is compared as int64 words and checksummed in the same pass (`rowsum.RowChecksum`,
 bit for bit the value `checksums.checksum` gives). The shards of a rank file are compared on a few threads (`_Workers`); problems are
@@ -37,8 +37,8 @@ from reshard_cli.errors import ConfigError
 from reshard_cli.base.geometry import Box
 from reshard_cli.layouts.layout import Layout
 from reshard_cli.io.mapped import MappedSafetensors
-from reshard_cli.io.sources import (Source, SyntheticSource, open_source, synthetic_fill, synthetic_key,
-                                    synthetic_period, synthetic_table)
+from reshard_cli.io.sources import Source, SyntheticSource, open_source
+from reshard_cli.io.synthetic import synthetic_fill, synthetic_key, synthetic_period, synthetic_table
 
 # Elements per block (4 Mi). The file's block is a view of the mapped file; what is allocated stays under
 # ~150 MiB per thread at any tensor size: the source's block when it is generated, read or realigned (32 MiB
@@ -537,9 +537,9 @@ def _as_rows(block: np.ndarray, nrows: int) -> np.ndarray:
 
 
 class _SyntheticBlocks:
-    """`synthetic_values` of blocks of one tensor as raw bits, copied by `sources.synthetic_fill` (the code
+    """`synthetic_values` of blocks of one tensor as raw bits, copied by `synthetic.synthetic_fill` (the code
     `SyntheticSource.read` runs, numpy only) into scratch aligned like the file's block: each span of 2^20
-    elements is the dtype's period of values (`sources.synthetic_period`, built once) read from the span's own
+    elements is the dtype's period of values (`synthetic.synthetic_period`, built once) read from the span's own
     rotation, so the values do not repeat at any period a misrouted element could hide in, and producing them
     costs a copy."""
 

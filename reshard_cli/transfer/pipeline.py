@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.base.checksums import count_differing
-from reshard_cli.io.sources import synthetic_values
+from reshard_cli.io.synthetic import synthetic_values
 from reshard_cli.layouts.layout import Layout
 from reshard_cli.layouts.topology import Topology
 from reshard_cli.plan.cost import with_auto_routes

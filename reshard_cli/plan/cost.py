@@ -74,7 +74,8 @@ from reshard_cli.base.text import fmt_bytes
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology
 from reshard_cli.plan.bound import LowerBound, lower_bound
 from reshard_cli.plan.fp8 import wire_weights
-from reshard_cli.plan.planner import Plan, TensorClasses
+from reshard_cli.plan.classes import TensorClasses
+from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.rows import Table, numpy_ as _np
 from reshard_cli.plan.schedule import PackFiller, TransferOptions, align
 from reshard_cli.plan.terms import MODES, ROUTES, ClassRoutes, Route, Traffic, no_gc

@@ -13,7 +13,7 @@ def numpy_():
     return numpy
 
 
-# the per-entry columns of a class (`planner.Columns`) that `Table` concatenates over classes
+# the per-entry columns of a class (`classes.Columns`) that `Table` concatenates over classes
 _CONCAT = ("fixed_src", "fixed_dst", "fixed_numel", "fixed_kind", "rotating_sid", "rotating_dst", "rotating_numel",
            "rotating_key", "rotating_kind", "senders")
 
@@ -112,7 +112,7 @@ def sender_table(senders: list) -> tuple:
 
 
 def forward_rows(blocks_by_k: dict, nclasses: int, world: int) -> tuple:
-    """The forwards of some blocks (see `planner.Columns`): G[j] -> G[g] (g != j) carries m_j, expanded per block
+    """The forwards of some blocks (see `classes.Columns`): G[j] -> G[g] (g != j) carries m_j, expanded per block
     and sorted by class position: (pair keys, elements, first row per class, rows per class)."""
     np = numpy_()
     i64, f64 = np.int64, np.float64

@@ -32,7 +32,7 @@ The model, path by path, as the engine (`reshard_cli/transfer/engine.py`) runs i
 * A tensor on the reshard path goes with forwarding (phase 0 + phase 1 as above) or **direct** (every
   destination replica receives its whole box in phase 0: no forwards, more network bytes).
 
-**Mode auto** (`auto_routes`, `_RouteSearch`): the cost model is auto's route chooser. It weighs a plan's
+**Mode auto** (`auto_routes`, `RouteSearch`): the cost model is auto's route chooser. It weighs a plan's
 classes and hands the plan their routes (`with_auto_routes(plan)`; the plan only follows them). Each tensor
 class takes the route — forward, direct or
 broadcast — under which this model predicts the whole refit fastest. It starts from forward everywhere (mode
@@ -67,18 +67,19 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from reshard_cli.base.text import fmt_bytes
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology
 from reshard_cli.plan.bound import LowerBound, lower_bound
+from reshard_cli.plan.cost_text import bound_by, fmt_seconds, prediction_text
 from reshard_cli.plan.fp8 import wire_weights
 from reshard_cli.plan.classes import TensorClasses
 from reshard_cli.plan.planner import Plan
+from reshard_cli.plan.routes import RouteChoice, RouteSearch
 from reshard_cli.plan.rows import Table, numpy_ as _np
 from reshard_cli.plan.schedule import PackFiller, TransferOptions, align
-from reshard_cli.plan.terms import MODES, ROUTES, ClassRoutes, Route, Traffic, no_gc
+from reshard_cli.plan.terms import MODES, ClassRoutes, Route, Traffic, no_gc
 
 DEFAULT_BUCKET_BYTES = TransferOptions().bucket_bytes  # `reshard run --bucket-mb 64`
 GB = 1e9
@@ -163,7 +164,6 @@ class ModeCost:
                 "bound_by": self.bound_by}
 
 
-
 @dataclass
 class Prediction:
     links: Links
@@ -219,7 +219,7 @@ class _Model:
         self._by_class: list | None = None
         self._tensor_arrays: tuple | None = None
         self._choice: RouteChoice | None = None
-        self.saved_loads: dict[tuple, tuple] = {}  # per-tensor routes -> per (kind, rank) loads (`_RouteSearch`)
+        self.saved_loads: dict[tuple, tuple] = {}  # per-tensor routes -> per (kind, rank) loads (`RouteSearch`)
 
     @property
     def period_of(self) -> list[int]:
@@ -431,7 +431,7 @@ class _Model:
         mc = ModeCost(mode, reshard_seq + bcast_seq, reshard_pipe + bcast_pipe, net_s, nvl0_s, fwd_s,
                       bp["gather_s"], bp["ring_s"], bp["ring_latency_s"], bp["packs"], busiest, bp["ring_gbps"],
                       bp["ring_hops"])
-        mc.bound_by = _bound_by(mc, self.links)
+        mc.bound_by = bound_by(mc, self.links)
         return mc
 
     # ---- auto: the route of each class
@@ -444,9 +444,9 @@ class _Model:
         return self._by_class
 
     def choice(self) -> RouteChoice:
-        """Auto's routes under these links (`_RouteSearch`), chosen once."""
+        """Auto's routes under these links (`RouteSearch`), chosen once."""
         if self._choice is None:
-            self._choice = _RouteSearch(self).run()
+            self._choice = RouteSearch(self).run()
         return self._choice
 
     def class_rows(self) -> _ClassRows:
@@ -491,228 +491,6 @@ class _ClassRows(NamedTuple):
     kind_receiver: Any
 
 
-class _Move(NamedTuple):
-    """One class moved to `route`: the predicted refit, and the search's state if the move is taken."""
-
-    total: float
-    route: Route
-    pairs: Any  # positions of the pairs whose bytes change (None: no reshard-path change)
-    pair_bytes: Any  # their new bytes
-    loads: tuple
-    rank_seconds: Any
-    kind_max: list
-    bcast_tensors: list
-    bcast_s: float
-
-
-class _RouteSearch:
-    """Auto's routes (`run`): start from forward everywhere (mode reshard) and, class by class in a fixed order,
-    move a class to another route (direct, broadcast, or back) where the model predicts the whole refit
-    strictly faster with it; repeat until a pass changes nothing (at most 4 passes). Finally, broadcast
-    everywhere wins if it is predicted faster still. So auto is never predicted slower than reshard or
-    broadcast.
-
-    Every figure compared is built from sums of whole bytes (exact in float64, whatever their order) and the
-    same per-rank formula as `_Model.mode_cost`, so every rank computes the same figures and the same choice;
-    ties keep the current route, and among new routes go to the first of forward, direct, broadcast. A class
-    is tried on broadcast only when it touches a busiest rank of a phase that sets the time (moving it
-    elsewhere cannot shorten the reshard path otherwise).
-
-    The state: per pair the bytes of the current routes (`pair_bytes`), per (kind, rank) their loads (bytes
-    sent, received, messages sent, received) and seconds, per kind the busiest rank's seconds (`kind_max`),
-    the broadcast tensors and their seconds, and the predicted total.
-    """
-
-    def __init__(self, model: _Model):
-        np = _np()
-        self.model = model
-        self.rows = rows = model.class_rows()
-        lk = model.links
-        self.bandwidth = np.repeat(np.array([lk.net, lk.nvl, lk.nvl]), model.world)  # per (kind, rank)
-        self.split_classes = {i for i, c in enumerate(model.cls) if c.splits}
-        forward = rows.gid % 2 == 0
-        self.pair_bytes = np.bincount(rows.pos[forward], weights=rows.nbytes[forward],
-                                      minlength=len(rows.kind_sender))
-        self.loads = self._loads(self.pair_bytes)
-        # mode reshard's loads: `mode_cost` need not sum them again
-        model.saved_loads[(Route.FORWARD,) * len(model.items)] = self.loads
-        self.rank_seconds, self.kind_max = self._per_kind(self.loads)
-        self.bcast_tensors: list[int] = []
-        self.bcast_s = model.broadcast_seconds(self.bcast_tensors)
-        self.total = self._reshard_s(self.kind_max) + self.bcast_s
-        self.routes = [Route.FORWARD] * len(model.cls)
-
-    def run(self) -> RouteChoice:
-        start = self.total
-        switches = passes = 0
-        for passes in range(1, 5):
-            changed = False
-            bcast_ok = self._busy_classes()
-            broadcast = {i for i, r in enumerate(self.routes) if r == Route.BROADCAST}
-            for i in sorted(bcast_ok | self.split_classes | broadcast):
-                best = None
-                for route in self._options(i, bcast_ok):
-                    move = self._try(i, route)
-                    if move.total < (self.total if best is None else best.total):
-                        best = move
-                if best is not None:
-                    self._take(i, best)
-                    switches += 1
-                    changed = True
-            if not changed:
-                break
-        everywhere = self._broadcast_everywhere()
-        routes, total = self.routes, self.total
-        if everywhere is not None and everywhere < total:
-            total, routes = everywhere, [Route.BROADCAST] * len(routes)
-        elif any(r != Route.BROADCAST for r in routes):  # auto's loads, likewise
-            self.model.saved_loads[tuple(routes[i] for i in self.model.cid)] = self.loads
-        return RouteChoice(routes, total, start, everywhere, switches, passes)
-
-    # ---- figures
-    def _loads(self, pair_bytes) -> tuple:
-        np = _np()
-        rows, n = self.rows, len(Traffic) * self.model.world
-        msgs = np.ceil(pair_bytes / self.model.half)
-        return (np.bincount(rows.kind_sender, weights=pair_bytes, minlength=n),
-                np.bincount(rows.kind_receiver, weights=pair_bytes, minlength=n),
-                np.bincount(rows.kind_sender, weights=msgs, minlength=n),
-                np.bincount(rows.kind_receiver, weights=msgs, minlength=n))
-
-    def _per_kind(self, loads) -> tuple:
-        """(seconds per (kind, rank), the busiest rank's seconds per kind)."""
-        np = _np()
-        seconds = (np.maximum(loads[0], loads[1]) / self.bandwidth
-                   + np.maximum(loads[2], loads[3]) * self.model.links.lat)
-        return seconds, [float(x) for x in seconds.reshape(len(Traffic), self.model.world).max(axis=1)]
-
-    @staticmethod
-    def _reshard_s(kind_max: list) -> float:
-        """As `mode_cost`: max(network, phase-0 NVLink) + forwards."""
-        return max(kind_max[Traffic.NET], kind_max[Traffic.NVL0]) + kind_max[Traffic.FWD]
-
-    def _segment(self, i: int, route: Route) -> tuple:
-        """(pair positions, bytes) of class i's rows on a reshard-path `route`."""
-        rows = self.rows
-        g = 2 * i + (route == Route.DIRECT and self.model.cls[i].splits)
-        return rows.pos[rows.bounds[g]:rows.bounds[g + 1]], rows.nbytes[rows.bounds[g]:rows.bounds[g + 1]]
-
-    # ---- moves
-    def _busy_classes(self) -> set[int]:
-        """The classes whose current rows touch a busiest rank of a phase that sets the time."""
-        np = _np()
-        NET, NVL0, FWD = Traffic
-        w, rows, kind_max = self.model.world, self.rows, self.kind_max
-        busy = []
-        if kind_max[FWD] > 0:
-            busy.append(FWD)
-        if max(kind_max[NET], kind_max[NVL0]) > 0:
-            busy += [k for k in (NET, NVL0) if kind_max[k] == max(kind_max[NET], kind_max[NVL0])]
-        current_gid = np.arange(0, 2 * len(self.routes), 2, dtype=np.int64)
-        for i in self.split_classes:
-            current_gid[i] += self.routes[i] == Route.DIRECT
-        current = current_gid[rows.gid // 2] == rows.gid
-        touch = np.zeros(len(rows.gid), dtype=bool)
-        for k in busy:
-            r = int(np.argmax(self.rank_seconds[k * w:(k + 1) * w]))
-            touch |= (rows.kind_sender[rows.pos] == k * w + r) | (rows.kind_receiver[rows.pos] == k * w + r)
-        return set((rows.gid[touch & current] // 2).tolist())
-
-    def _options(self, i: int, bcast_ok: set) -> list[Route]:
-        """The routes class i may move to, in tie-break order."""
-        out = []
-        for route in ROUTES:
-            if route == self.routes[i] or (route == Route.DIRECT and not self.model.cls[i].splits):
-                continue
-            if route == Route.BROADCAST and (i not in bcast_ok or not self.model.numel_of[i]):
-                continue
-            out.append(route)
-        return out
-
-    def _try(self, i: int, route: Route) -> _Move:
-        """The refit with class i moved from its current route to `route`."""
-        np = _np()
-        cur = self.routes[i]
-        positions, deltas = [], []
-        for r, sign in ((cur, -1.0), (route, 1.0)):
-            if r != Route.BROADCAST:
-                pos, nbytes = self._segment(i, r)
-                positions.append(pos)
-                deltas.append(nbytes * sign)
-        if positions:
-            pairs, inv = np.unique(np.concatenate(positions), return_inverse=True)
-            delta = np.bincount(inv.ravel(), weights=np.concatenate(deltas), minlength=len(pairs))
-            loads, new = self._moved_loads(pairs, delta)
-            rank_seconds, kind_max = self._per_kind(loads)
-        else:
-            pairs = new = None
-            loads, rank_seconds, kind_max = self.loads, self.rank_seconds, self.kind_max
-        if route == Route.BROADCAST or cur == Route.BROADCAST:
-            mine = set(self.model.tensors_by_class()[i])
-            tensors = sorted(set(self.bcast_tensors) | mine) if route == Route.BROADCAST else \
-                [t for t in self.bcast_tensors if t not in mine]
-            bcast_s = self.model.broadcast_seconds(tensors)
-        else:
-            tensors, bcast_s = self.bcast_tensors, self.bcast_s
-        return _Move(self._reshard_s(kind_max) + bcast_s, route, pairs, new, loads, rank_seconds, kind_max,
-                     tensors, bcast_s)
-
-    def _moved_loads(self, pairs, delta) -> tuple:
-        """(the loads with `delta` bytes added to `pairs`, those pairs' new bytes)."""
-        np = _np()
-        rows, loads, half, n = self.rows, self.loads, self.model.half, len(Traffic) * self.model.world
-        old = self.pair_bytes[pairs]
-        new = old + delta
-        msgs = np.ceil(new / half) - np.ceil(old / half)
-        senders, receivers = rows.kind_sender[pairs], rows.kind_receiver[pairs]
-        return (loads[0] + np.bincount(senders, weights=delta, minlength=n),
-                loads[1] + np.bincount(receivers, weights=delta, minlength=n),
-                loads[2] + np.bincount(senders, weights=msgs, minlength=n),
-                loads[3] + np.bincount(receivers, weights=msgs, minlength=n)), new
-
-    def _take(self, i: int, move: _Move) -> None:
-        self.routes[i] = move.route
-        if move.pairs is not None:
-            self.pair_bytes[move.pairs] = move.pair_bytes
-        self.total, self.loads, self.rank_seconds, self.kind_max = move.total, move.loads, move.rank_seconds, \
-            move.kind_max
-        self.bcast_tensors, self.bcast_s = move.bcast_tensors, move.bcast_s
-
-    def _broadcast_everywhere(self) -> float | None:
-        """The predicted refit with every tensor broadcast; None where a floor of it is already no faster than
-        the routes chosen (no ring is faster than NVLink; each root's ring bytes at its ring's bandwidth, and at
-        least one fill latency)."""
-        model, lk = self.model, self.model.links
-        floor = model.nbytes / lk.nvl
-        if floor < self.total:
-            floor = 0.0
-            per_root: dict[int, int] = defaultdict(int)
-            for i, tensors in enumerate(model.tensors_by_class()):
-                if model.numel_of[i]:
-                    for t in tensors:
-                        per_root[model.gather_cost(i, t)[0]] += align(model.numel_of[i] * model.items[t])
-            for root, nbytes in per_root.items():
-                bw, size = model.ring(root)
-                floor += nbytes / bw + (size - 1) * lk.lat
-        if floor < self.total:
-            return 0.0 + model.broadcast_seconds(list(range(len(model.items))))
-        return None
-
-
-@dataclass
-class RouteChoice:
-    """Auto's choice (`_RouteSearch`): per class (in `TensorClasses.index` order) its route, and the predicted
-    seconds of the refit with these routes, with forward everywhere (mode reshard) and with broadcast
-    everywhere (None: not needed, its floor was already slower)."""
-
-    routes: list
-    seconds: float
-    reshard_seconds: float
-    broadcast_seconds: float | None
-    switches: int  # classes moved off their route (counting each move)
-    passes: int
-
-
 def _busiest(sent, received, msgs_sent, msgs_received, bw: float, lat: float) -> tuple:
     """(seconds, rank, bytes, messages) of the busiest rank: full duplex, so the larger direction counts."""
     np = _np()
@@ -723,47 +501,6 @@ def _busiest(sent, received, msgs_sent, msgs_received, bw: float, lat: float) ->
     if seconds[rank] <= 0:
         return (0.0, -1, 0, 0)
     return (float(seconds[rank]), rank, int(nbytes[rank]), int(msgs[rank]))
-
-
-def fmt_seconds(x: float) -> str:
-    """A duration with its unit: 143.1 s, 2.36 s, 144 ms, 35.5 us."""
-    if x >= 100:
-        return f"{x:.1f} s"
-    if x >= 1:
-        return f"{x:.2f} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.3g} ms" if x < 0.1 else f"{x * 1e3:.0f} ms"
-    if x > 0:
-        return f"{x * 1e6:.3g} us"
-    return "0"
-
-
-def _bound_by(mc: ModeCost, lk: Links) -> str:
-    """The largest term of the sequential figure, in words."""
-    terms = []
-    phase0 = max(mc.network_s, mc.nvlink0_s)
-    if phase0:
-        if mc.network_s >= mc.nvlink0_s:
-            r, nb, m = mc.busiest["network"]
-            terms.append((mc.network_s, f"network: rank {r} moves {fmt_bytes(nb)} in {m} messages"))
-        else:
-            r, nb, m = mc.busiest["nvlink_phase0"]
-            terms.append((mc.nvlink0_s, f"NVLink phase 0: rank {r} moves {fmt_bytes(nb)}"))
-    if mc.forward_s:
-        r, nb, m = mc.busiest["forward"]
-        terms.append((mc.forward_s, f"NVLink forwards: rank {r} moves {fmt_bytes(nb)}"))
-    if mc.ring_s:
-        bw = mc.ring_s - mc.ring_latency_s
-        if mc.ring_latency_s > bw:
-            terms.append((mc.ring_s, f"broadcast ring latency: {mc.packs} packs x {mc.ring_hops} hops x "
-                                     f"{lk.latency_us:g} us"))
-        else:
-            terms.append((mc.ring_s, f"broadcast rings: {mc.packs} packs through {mc.ring_gbps:g} GB/s rings"))
-    if mc.gather_s:
-        terms.append((mc.gather_s, "gathers on the broadcast roots"))
-    if not terms:
-        return "nothing to move"
-    return max(terms, key=lambda x: x[0])[1]
 
 
 # ----------------------------------------------------------------------------------------------- API
@@ -779,7 +516,7 @@ def model_for(plan: Plan, links: Links, bucket_bytes: int | None = None, on_wire
 
 def auto_routes(plan: Plan, on_wire: bool = True) -> ClassRoutes:
     """Mode auto's route per tensor class of `plan` (`TensorClasses.index` order) and what decided them: this
-    model's choice (`_RouteSearch`) from the plan's topology's links and bucket size, weighing the bytes that
+    model's choice (`RouteSearch`) from the plan's topology's links and bucket size, weighing the bytes that
     travel (`on_wire` False: the source dtype's, as into a BF16 engine); forward everywhere without link
     figures."""
     links, _why = links_of(plan.topology)
@@ -830,42 +567,6 @@ def predict(plan: Plan, topology: Topology | None = None, *, modes=MODES,
         bound = model.lower_bound()
         auto = plan.route_summary(plan.routes_for("auto")) if "auto" in modes else None
     return Prediction(links, topology.name, costs, bound, plan.mode, time.perf_counter() - t0, auto)
-
-
-def prediction_text(pred: Prediction) -> str:
-    rows = []
-    lb = pred.bound.seconds
-    for m, c in pred.modes.items():
-        rows.append([m, fmt_seconds(c.seconds), fmt_seconds(c.pipelined_seconds), fmt_seconds(c.network_s),
-                     fmt_seconds(c.nvlink0_s + c.forward_s), fmt_seconds(c.gather_s + c.ring_s),
-                     f"{c.seconds / lb:.2f}x" if lb else "-", c.bound_by])
-    lines = [
-        f"  predicted     {pred.topology} links: {pred.links.describe()}  (predicted in "
-        f"{pred.seconds * 1e3:.0f} ms)",
-        _table(["mode", "time", "pipelined", "network", "in-domain", "broadcast", "vs bound", "bound by"], rows),
-        "  (time: forwards after the network phase and the broadcast path after the reshard path, an upper",
-        "   bound; pipelined: forwards overlapped with the network phase, as the transport forwards each",
-        "   bucket as it lands, and gathers with broadcasts)",
-        f"  lower bound   {fmt_seconds(lb)}  {pred.bound.resource}"
-        f"  (ingress {fmt_seconds(pred.bound.ingress_s)}, egress {fmt_seconds(pred.bound.egress_s)})",
-    ]
-    this = pred.modes.get(pred.plan_mode)
-    if this is not None:
-        ratio = f" = {this.seconds / lb:.2f}x the lower bound" if lb else ""
-        lines.append(f"  this plan     {pred.plan_mode}: {fmt_seconds(this.seconds)} predicted{ratio}, bound by "
-                     f"{this.bound_by}")
-    return "\n".join(lines)
-
-
-def _table(headers: list, rows: list) -> str:
-    """Like report.table (first column left, the rest right-aligned), but the last column (a phrase) left."""
-    cells = [headers] + rows
-    widths = [max(len(str(r[i])) for r in cells) for i in range(len(headers))]
-    out = []
-    for j, r in enumerate(cells):
-        parts = [str(r[0]).ljust(widths[0])] + [str(c).rjust(w) for c, w in zip(r[1:-1], widths[1:-1])] + [str(r[-1])]
-        out.append("  " + ("# " if j == 0 else "  ") + "  ".join(parts).rstrip())
-    return "\n".join(out)
 
 
 def plan_prediction(plan: Plan) -> tuple[str, dict[str, Any]]:

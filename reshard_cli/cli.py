@@ -84,28 +84,7 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
                  reshard_match=p.reshard_match, bucket_bytes=p.bucket_bytes)
     t_layout = time.perf_counter() - t0
     if rank is not None:
-        if rank not in p.src.ranks and rank not in p.dst.ranks:
-            raise ConfigError(f"rank {rank} is in neither group (src {p.src.ranks[0]}-{p.src.ranks[-1]}, "
-                              f"dst {p.dst.ranks[0]}-{p.dst.ranks[-1]})", key="--rank")
-        t1 = time.perf_counter()
-        p = with_auto_routes(p)  # mode auto: the cost model chooses each class's route
-        view = p.rank_view(rank)
-        dt = time.perf_counter() - t1
-        names = p.src.manifest.tensors
-        rows = [[names[pc.tensor].name, pc.src, pc.dst, str(pc.box), "fwd" if pc.phase else "net",
-                 fmt_bytes(_piece_bytes(p, pc))] for pc in view.pieces]
-        typer.echo(f"rank {rank}: {len(view.pieces)} pieces, {len(view.bcasts)} broadcasts (planned in {dt * 1e3:.1f} ms)")
-        if rows:
-            typer.echo(table(["tensor", "src", "dst", "box", "phase", "bytes"], rows[:200]))
-            if len(rows) > 200:
-                typer.echo(f"  ... {len(rows) - 200} more (use --json)")
-        if json_out:
-            write_json_option("--json", json_out, {"rank": rank, "plan_seconds": dt,
-                                                   "pieces": [_piece_json(p, pc) for pc in view.pieces],
-                                                   "broadcasts": [_bcast_json(p, b) for b in view.bcasts]})
-        if pieces_out:
-            n = write_pieces(pieces_out, p, view.pieces, view.bcasts)
-            typer.echo(f"  wrote {pieces_out} ({n} lines)")
+        _plan_rank(p, rank, json_out, pieces_out)
         return
     t1 = time.perf_counter()
     p = with_auto_routes(p)  # mode auto: the cost model chooses each class's route
@@ -140,6 +119,32 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
         typer.echo(f"  wrote {json_out}")
     if pieces_out:
         n = write_pieces(pieces_out, p, p.pieces(), p.bcasts())
+        typer.echo(f"  wrote {pieces_out} ({n} lines)")
+
+
+def _plan_rank(p, rank: int, json_out, pieces_out) -> None:
+    """`reshard plan --rank`: one rank's pieces and broadcasts (what that rank would build for itself)."""
+    if rank not in p.src.ranks and rank not in p.dst.ranks:
+        raise ConfigError(f"rank {rank} is in neither group (src {p.src.ranks[0]}-{p.src.ranks[-1]}, "
+                          f"dst {p.dst.ranks[0]}-{p.dst.ranks[-1]})", key="--rank")
+    t1 = time.perf_counter()
+    p = with_auto_routes(p)  # mode auto: the cost model chooses each class's route
+    view = p.rank_view(rank)
+    dt = time.perf_counter() - t1
+    names = p.src.manifest.tensors
+    rows = [[names[pc.tensor].name, pc.src, pc.dst, str(pc.box), "fwd" if pc.phase else "net",
+             fmt_bytes(_piece_bytes(p, pc))] for pc in view.pieces]
+    typer.echo(f"rank {rank}: {len(view.pieces)} pieces, {len(view.bcasts)} broadcasts (planned in {dt * 1e3:.1f} ms)")
+    if rows:
+        typer.echo(table(["tensor", "src", "dst", "box", "phase", "bytes"], rows[:200]))
+        if len(rows) > 200:
+            typer.echo(f"  ... {len(rows) - 200} more (use --json)")
+    if json_out:
+        write_json_option("--json", json_out, {"rank": rank, "plan_seconds": dt,
+                                               "pieces": [_piece_json(p, pc) for pc in view.pieces],
+                                               "broadcasts": [_bcast_json(p, b) for b in view.bcasts]})
+    if pieces_out:
+        n = write_pieces(pieces_out, p, view.pieces, view.bcasts)
         typer.echo(f"  wrote {pieces_out} ({n} lines)")
 
 
@@ -217,13 +222,7 @@ def run(
                               backend=backend, bucket_mb=bucket_mb, source=source, out=out, overwrite=overwrite,
                               iters=iters, json=json_out, quiet=quiet, timeout=timeout, link_test=link_test,
                               refit_host=refit_host, stage_mb=stage_mb, require_all=require_all, scale=scale,
-                              argv=sys.argv[1:])
-    if iters < 1:
-        raise ConfigError("must be >= 1", key="--iters")
-    if bucket_mb <= 0:
-        raise ConfigError("must be > 0", key="--bucket-mb")
-    if stage_mb is not None and stage_mb < 0:
-        raise ConfigError("must be >= 0 (0: the whole model at once)", key="--stage-mb")
+                              argv=sys.argv[1:]).validated()
     if not under_torchrun():
         run_mod.launch_run(opts)
         return

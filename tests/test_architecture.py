@@ -1,5 +1,6 @@
 """The layers of ARCHITECTURE.md, enforced: imports run one way (down), no package or module imports itself
-back through others, and an import inside a function is there only to defer a heavy dependency.
+back through others, an import inside a function is there only to defer a heavy dependency, and rooms stay
+small (no module over `MAX_FILE_LINES` lines, no function over `MAX_FUNCTION_LINES`).
 
 The contract is `LAYERS` below (bottom first). The checker reads the sources with `ast` (nothing is imported),
 so it also sees imports inside functions; it is tested on made-up graphs that break each rule.
@@ -224,6 +225,39 @@ def test_planning_stays_torch_free():
 
 
 # ------------------------------------------------------------------------------- the checker on broken trees
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 60
+
+
+def oversized(root: Path = ROOT) -> list[str]:
+    """Modules over MAX_FILE_LINES lines and functions (methods, nested ones) over MAX_FUNCTION_LINES, from
+    `def` to their last line, decorators and docstring included."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        name, lines = module_name(path, root), text.count("\n")
+        if lines > MAX_FILE_LINES:
+            out.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNCTION_LINES:
+                    out.append(f"{name}.{node.name} (line {node.lineno}): {size} lines")
+    return out
+
+
+def test_rooms_stay_small():
+    """A module that outgrows MAX_FILE_LINES is two rooms, a function over MAX_FUNCTION_LINES two steps: split
+    them along their seams."""
+    assert oversized() == []
+
+
+def test_size_checker_finds_a_long_function_and_a_long_module(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    root = _tree(tmp_path, {"long.py": f"def f():\n{body}\n", "short.py": "def g():\n    return 1\n",
+                            "big.py": "x = 1\n" * (MAX_FILE_LINES + 1)})
+    assert oversized(root) == ["reshard_cli.big: 801 lines", "reshard_cli.long.f (line 1): 61 lines"]
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:

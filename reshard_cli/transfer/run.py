@@ -71,6 +71,16 @@ class RunOptions(JobOptions):
         """The message schedule's options: from the command line, so identical on every rank."""
         return pipeline.transfer_options(self.bucket_mb)
 
+    def validated(self) -> "RunOptions":
+        """These options, once each number a user can get wrong is refused in one line naming its flag."""
+        if self.iters < 1:
+            raise ConfigError("must be >= 1", key="--iters")
+        if self.bucket_mb <= 0:
+            raise ConfigError("must be > 0", key="--bucket-mb")
+        if self.stage_mb is not None and self.stage_mb < 0:
+            raise ConfigError("must be >= 0 (0: the whole model at once)", key="--stage-mb")
+        return self
+
 
 class Hooks:
     """Points in the worker where tests inject faults. Production runs with `HOOKS = None`."""

@@ -97,6 +97,39 @@ def topology_text(topology) -> str:
     return bundled.resolve("topology", topology).read_text()
 
 
+def _members_lost(doc: dict, reports: list[dict], down: dict | None) -> list[str]:
+    """`engine_report`'s lines (and JSON keys, into `doc`) for fleet members down at the start and members
+    dropped mid-refit (the others resumed among themselves from the group that failed), and what each dropped
+    member was told it holds."""
+    lines, last = [], reports[-1]
+    if down:
+        doc["down"] = dict(down)
+        lines.append(f"  not refitted, down at the start: {'; '.join(down.values())} (--require-all makes it an error)")
+    dropped = [d for r in reports for d in r.get("dropped", ())]
+    if dropped:
+        doc["dropped"] = dropped
+        doc["members"] = last["members"]
+        resent = sum(r.get("resent_bytes", 0) for r in reports)
+        lines.append(f"  dropped mid-refit: {'; '.join(d['why'] for d in dropped)}; the other member(s) resumed "
+                     f"from the group that failed and re-sent {fmt_bytes(resent)} (--require-all makes it an error)")
+        doc["told"] = last.get("told", [])
+        told = [f"{e['member']} labelled {e['weight_version']}" + (", paused" if e["paused"] else "")
+                for e in doc["told"] if e["event"] == "told"]
+        lines.append("  told what they hold: " + ("; ".join(told) or "none") + (
+            "; a member that had not answered is labelled when added again (its session is finished then)"
+            if last.get("untold") else ""))
+    return lines
+
+
+def _worker_line(w: dict) -> str:
+    """One worker's line of `engine_report`: what landed and was forwarded, its checksum and staging peak."""
+    return (f"    replica {w.get('replica', 0):>3}  worker rank {w['worker']:>4}  "
+            f"{fmt_bytes(w['bytes_received']):>10} landed  {fmt_bytes(w.get('forwarded_bytes', 0)):>10} "
+            f"forwarded  checksum {checksums.fmt(w['checksum']) if w.get('checksum') is not None else '-'}  "
+            f"{'ok' if w.get('checksums_ok') else 'WRONG'}  staged at most "
+            f"{fmt_bytes(w.get('peak_staged_bytes') or 0)}")
+
+
 def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int,
                   down: dict | None = None) -> RunReport:
     """Rank 0's table for a push into a running engine (or a fleet of them), and its JSON twin."""
@@ -128,22 +161,7 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
              f"({plan.dst.size} workers in {len(replicas)} replica(s), {plan.dst.name})  mode {doc['mode']}  "
              f"iters {opts.iters}{' (median after warm-up)' if opts.iters > 1 else ''}",
              table(["path", "tensors", "bytes", "wire", "forwarded", "time ms", "GB/s", "#wrong"], rows)]
-    if down:
-        doc["down"] = dict(down)
-        lines.append(f"  not refitted, down at the start: {'; '.join(down.values())} (--require-all makes it an error)")
-    dropped = [d for r in reports for d in r.get("dropped", ())]
-    if dropped:  # lost mid-refit: the others resumed among themselves, from the group that failed
-        doc["dropped"] = dropped
-        doc["members"] = last["members"]
-        resent = sum(r.get("resent_bytes", 0) for r in reports)
-        lines.append(f"  dropped mid-refit: {'; '.join(d['why'] for d in dropped)}; the other member(s) resumed "
-                     f"from the group that failed and re-sent {fmt_bytes(resent)} (--require-all makes it an error)")
-        doc["told"] = last.get("told", [])
-        told = [f"{e['member']} labelled {e['weight_version']}" + (", paused" if e["paused"] else "")
-                for e in doc["told"] if e["event"] == "told"]
-        lines.append("  told what they hold: " + ("; ".join(told) or "none") + (
-            "; a member that had not answered is labelled when added again (its session is finished then)"
-            if last.get("untold") else ""))
+    lines += _members_lost(doc, reports, down)
     fp8 = fp8_figures(plan, stats)
     if fp8 is not None:
         doc["fp8"] = {k: fp8[k] for k in ("scheme", "sender_share", "sender_quantized_bytes",
@@ -166,12 +184,7 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
               f"  staged in {groups} group(s) of whole layers, each committed once every worker had it: at most "
               f"{fmt_bytes(peak)} in checkpoint format at once on one worker",
               "  verified by checksums the workers computed of what they hold:"]
-    for w in workers:
-        lines.append(f"    replica {w.get('replica', 0):>3}  worker rank {w['worker']:>4}  "
-                     f"{fmt_bytes(w['bytes_received']):>10} landed  {fmt_bytes(w.get('forwarded_bytes', 0)):>10} "
-                     f"forwarded  checksum {checksums.fmt(w['checksum']) if w.get('checksum') is not None else '-'}  "
-                     f"{'ok' if w.get('checksums_ok') else 'WRONG'}  staged at most "
-                     f"{fmt_bytes(w.get('peak_staged_bytes') or 0)}")
+    lines += [_worker_line(w) for w in workers]
     if len(replicas) > 1:
         lines.append(f"  replicas {'identical' if doc['replicas_identical'] else 'DIFFER'} (checksums, worker by worker)")
     if not ok:

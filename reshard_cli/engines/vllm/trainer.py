@@ -109,11 +109,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         trainer_size = src.size if src is not None else trainer_size
         world = init_info.world_size or trainer_size + dst.size
         refit_topology(init_info.topology, [])  # a bad topology fails here, on every trainer rank, before any call
-        worker_info = {"host": init_info.host, "port": init_info.port, "world_size": world,
-                       "src": init_info.src, "dst": init_info.dst, "trainer_size": trainer_size,
-                       "timeout": init_info.timeout, "bucket_mb": init_info.bucket_mb, "path": init_info.path,
-                       "stage_mb": init_info.stage_mb, "topology": init_info.topology, "mode": init_info.mode,
-                       "stall": init_info.stall}
+        worker_info = _worker_info(init_info, world, trainer_size)
         try:
             bases, refused = replica_bases(self.clients, dst) if self.is_sender else [], None
         except ConfigError as e:  # no engine is called; the other trainer ranks learn it as they join
@@ -673,6 +669,15 @@ def _versions(tensors: Mapping[str, torch.Tensor]) -> dict:
     local shard's, which an in-place change of the shard moves)."""
     return {n: (x._version, x._local_tensor._version) if isinstance(x, DTensor) else x._version
             for n, x in tensors.items()}
+
+
+def _worker_info(init_info, world: int, trainer_size: int) -> dict:
+    """What every engine worker's `init_weight_transfer_engine` is given (its replica's first rank is added per
+    engine): where the refit group meets, its size, the layouts and the refit's settings."""
+    return {"host": init_info.host, "port": init_info.port, "world_size": world, "src": init_info.src,
+            "dst": init_info.dst, "trainer_size": trainer_size, "timeout": init_info.timeout,
+            "bucket_mb": init_info.bucket_mb, "path": init_info.path, "stage_mb": init_info.stage_mb,
+            "topology": init_info.topology, "mode": init_info.mode, "stall": init_info.stall}
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:

@@ -166,3 +166,29 @@ def test_a_new_format_is_its_module_and_one_registry_line(tmp_path, monkeypatch)
         layout(tmp_path, "model: qwen3-0.6b\nformat: toys\nmesh: {tp: 2}\n", name="bad.yaml")
     with pytest.raises(ConfigError, match="cannot derive a layout from a running model"):
         formats.live_layout("toy", None, "qwen3-0.6b")
+
+
+def test_stage_mb_is_checked_and_resolved_in_one_place(tmp_path):
+    """Every way a user gives what an engine worker stages at once (a layout's `engine: {stage_mb}`,
+    `reshard run --stage-mb`, `Refit(stage_mb=)`, the engine's init info) goes through one check, refused in one
+    line naming where it came from, and resolves by one rule: given, else the layout's, else the default."""
+    from pathlib import Path
+
+    from reshard_cli.formats.base import checked_stage_mb
+    from reshard_cli.plan.groups import DEFAULT_STAGE_MB, stage_budget_mb, stage_bytes
+    from reshard_cli.transfer.run import RunOptions
+
+    assert checked_stage_mb(None) is None and checked_stage_mb(0) == 0.0 and checked_stage_mb(3) == 3.0
+    for bad in (-1, -0.5, float("nan"), True, "64"):
+        with pytest.raises(ConfigError, match=r"stage_mb: must be >= 0 MiB \(0: the whole model at once\)"):
+            checked_stage_mb(bad)
+    with pytest.raises(ConfigError, match=r"infer\.yaml.*engine\.stage_mb: must be >= 0 MiB"):
+        layout(tmp_path, "model: qwen3-0.6b\nformat: vllm\nmesh: {tp: 2}\nengine: {stage_mb: -1}\n")
+    with pytest.raises(ConfigError, match=r"--stage-mb: must be >= 0 MiB"):
+        RunOptions(src=Path("a.yaml"), dst=Path("b.yaml"), stage_mb=-2).validated()
+    plain = layout(tmp_path, "model: qwen3-0.6b\nformat: vllm\nmesh: {tp: 2}\n")
+    given = layout(tmp_path, "model: qwen3-0.6b\nformat: vllm\nmesh: {tp: 2}\nengine: {stage_mb: 0}\n", "e.yaml")
+    assert stage_budget_mb(plain) == DEFAULT_STAGE_MB and stage_budget_mb(given) == 0.0
+    assert stage_budget_mb(given, 5) == 5.0 and stage_bytes(1.5) == 3 << 19
+    with pytest.raises(ConfigError, match="stage_mb: must be >= 0 MiB"):
+        stage_budget_mb(given, -3)

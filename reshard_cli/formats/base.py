@@ -77,6 +77,19 @@ def known_family(config: dict, fmt: str, framework: str, file: str) -> None:
                           f"{family!r} (its checkpoint plans and refits as `format: hf`)", file=file, key="format")
 
 
+def checked_stage_mb(value, key: str = "stage_mb", file: str | None = None, line: int | None = None) -> float | None:
+    """What each engine worker stages at once, in MiB (0: the whole model in one group), as a float; None
+    stays None. The one check of every place a user gives it (a layout's `engine: {stage_mb}`, `--stage-mb`,
+    `Refit(stage_mb=)`, the engine's init info): anything but a number >= 0 is refused in one line naming
+    `key`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigError(f"must be >= 0 MiB (0: the whole model at once), not {value!r}", file=file, key=key,
+                          line=line)
+    return float(value)
+
+
 def format_options(doc: dict, key: str, allowed: tuple, file: str) -> dict:
     """A format's own mapping (`engine:`, `megatron:`), its keys checked."""
     opts = doc.get(key) or {}

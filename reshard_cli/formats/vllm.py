@@ -34,7 +34,8 @@ import re
 
 from reshard_cli.base.geometry import chunk_size
 from reshard_cli.errors import ConfigError
-from reshard_cli.formats.base import Format, doc_line, format_mesh, format_options, known_family, storage_summary
+from reshard_cli.formats.base import (Format, checked_stage_mb, doc_line, format_mesh, format_options, known_family,
+                                      storage_summary)
 from reshard_cli.formats.storage import EngineTensor, View  # noqa: F401 - re-exported
 from reshard_cli.layouts.quant import quantization_of
 
@@ -137,10 +138,7 @@ def engine_block(doc: dict, file: str) -> dict:
     lists in order), the checkpoint-format MiB each of its workers stages at once during an update, and
     whether it serves the model in FP8 (`layouts.quant`)."""
     engine = doc.get("engine") or {}
-    stage = engine.get("stage_mb")
-    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, (int, float)) or stage < 0):
-        raise ConfigError(f"expected MiB >= 0 (0: the whole model at once), got {stage!r}", file=file,
-                          key="engine.stage_mb", line=_line(engine, "stage_mb"))
+    stage = checked_stage_mb(engine.get("stage_mb"), "engine.stage_mb", file, _line(engine, "stage_mb"))
     return {"urls": _engine_urls(engine, file), "stage_mb": stage, "quantization": engine.get("quantization")}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from reshard_cli.formats.base import checked_stage_mb
 from reshard_cli.layouts.layout import Layout, layer_indices
 
 DEFAULT_STAGE_MB = 1024.0  # what an engine worker stages at once by default: a few layers of the largest models,
@@ -85,17 +86,23 @@ def resume_group(groups: list[Group], layer: int | None) -> int:
 
 
 def stage_budget_mb(dst: Layout, stage_mb: float | None = None) -> float:
-    """What a refit into `dst` stages per worker at once, in MiB: `stage_mb`, else the layout's
-    `engine: {stage_mb}`, else DEFAULT_STAGE_MB (0: the whole model, one group)."""
-    for value in (stage_mb, dst.engine.get("stage_mb"), DEFAULT_STAGE_MB):
+    """What a refit into `dst` stages per worker at once, in MiB: `stage_mb` (checked: `checked_stage_mb`),
+    else the layout's `engine: {stage_mb}` (checked when the layout was read), else DEFAULT_STAGE_MB (0: the
+    whole model, one group). The one rule every side of a refit resolves it by, from the same values."""
+    for value in (checked_stage_mb(stage_mb), dst.engine.get("stage_mb")):
         if value is not None:
             return float(value)
     return DEFAULT_STAGE_MB
 
 
+def stage_bytes(stage_mb: float) -> int:
+    """A staging budget in MiB as bytes."""
+    return int(stage_mb * (1 << 20))
+
+
 def stage_groups(dst: Layout, stage_mb: float | None = None) -> list[Group]:
     """The staging groups a refit into `dst` runs in (`layer_groups` within `stage_budget_mb`)."""
-    return layer_groups(dst, int(stage_budget_mb(dst, stage_mb) * (1 << 20)))
+    return layer_groups(dst, stage_bytes(stage_budget_mb(dst, stage_mb)))
 
 
 def staging(dst: Layout, stage_mb: float | None = None) -> dict | None:
@@ -106,7 +113,7 @@ def staging(dst: Layout, stage_mb: float | None = None) -> dict | None:
         return None
     value = stage_budget_mb(dst, stage_mb)
     unit_sizes = _units(dst)
-    groups = _grouped(unit_sizes, int(value * (1 << 20)))
+    groups = _grouped(unit_sizes, stage_bytes(value))
     units = _grouped(unit_sizes, 1)
     return {"stage_mb": float(value), "groups": len(groups), "peak_bytes": max((g.nbytes for g in groups), default=0),
             "largest_layer_bytes": max((u.nbytes for u in units), default=0),

@@ -34,7 +34,8 @@ from reshard_cli.base.blocks import blocks_of
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.models import Manifest, TensorSpec
 from reshard_cli.layouts.quant import amax_names
-from reshard_cli.plan.groups import Group, layer_groups, resume_group
+from reshard_cli.formats.base import checked_stage_mb
+from reshard_cli.plan.groups import Group, layer_groups, resume_group, stage_bytes
 from reshard_cli.plan.planner import Plan
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.transfer import verify
@@ -174,8 +175,7 @@ class Refit:
             raise
 
     def _configure(self, src, dst, topology, mode, bucket_mb, reshard_match, device, stage_mb, stall) -> None:
-        if stage_mb is not None and stage_mb < 0:
-            raise ConfigError(f"stage_mb must be 0 (one group) or a budget in MiB, not {stage_mb}", key="stage_mb")
+        stage_mb = checked_stage_mb(stage_mb)
         if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not 0 < stall < float("inf"):
             raise ConfigError(f"stall must be a positive number of seconds, not {stall!r}", key="stall")
         self.stall = float(stall)
@@ -187,7 +187,7 @@ class Refit:
         self.topology = load_topology(topology) if isinstance(topology, (str, Path)) else (topology or NO_TOPOLOGY)
         self.mode, self.reshard_match = mode, reshard_match
         self.options = transfer_options(bucket_mb)
-        self.stage_bytes = None if stage_mb is None else int(stage_mb * (1 << 20))
+        self.stage_bytes = None if stage_mb is None else stage_bytes(stage_mb)
         self.device = torch.device(device) if device is not None else None
         self.plan: Plan | None = None  # the whole refit's plan
         self.parts: list[_Part] = []  # one per staging group (one: the whole plan)

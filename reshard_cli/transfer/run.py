@@ -38,6 +38,7 @@ from reshard_cli.errors import ConfigError, RuntimeFailure
 from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.formats import load_pair
+from reshard_cli.formats.base import checked_stage_mb
 from reshard_cli.hw import nvml
 from reshard_cli.layouts.topology import NO_TOPOLOGY, load_topology
 from reshard_cli.base import checksums
@@ -77,8 +78,7 @@ class RunOptions(JobOptions):
             raise ConfigError("must be >= 1", key="--iters")
         if self.bucket_mb <= 0:
             raise ConfigError("must be > 0", key="--bucket-mb")
-        if self.stage_mb is not None and self.stage_mb < 0:
-            raise ConfigError("must be >= 0 (0: the whole model at once)", key="--stage-mb")
+        checked_stage_mb(self.stage_mb, "--stage-mb")
         return self
 
 

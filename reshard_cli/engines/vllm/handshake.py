@@ -14,7 +14,6 @@ from reshard_cli.hw import nvml
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.plan.fleet import fleet_of
 from reshard_cli.formats import load_layout, load_pair
-from reshard_cli.plan.groups import DEFAULT_STAGE_MB
 from reshard_cli.transfer.agree import Failure, one_line
 
 NUMBERS = "update numbers"  # the collective after an update where the trainer collects every worker's numbers
@@ -120,17 +119,6 @@ def _first_difference(m0: list, m: list) -> str:
     if missing:
         return f"{missing[0]!r} is in one model only"
     return next(f"{n}: {list(a[n][0])} {a[n][1]} vs {list(b[n][0])} {b[n][1]}" for n in a if a[n] != b[n])
-
-
-def stage_mb(given: float | None, dst) -> float:
-    """What each worker stages at once: the init info's value, else the engine layout's `engine: {stage_mb}`,
-    else DEFAULT_STAGE_MB. Both sides derive it from the same info and layout text, so they agree."""
-    for value in (given, dst.engine.get("stage_mb")):
-        if value is not None:
-            if value < 0:
-                raise ConfigError(f"must be >= 0 MiB (0: the whole model at once), not {value}", key="stage_mb")
-            return float(value)
-    return DEFAULT_STAGE_MB
 
 
 def layouts(src_text: str, dst_text: str, trainer_size: int = 0):

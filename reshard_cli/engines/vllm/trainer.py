@@ -23,11 +23,11 @@ from reshard_cli.engines.vllm import compat, full
 from reshard_cli.base.ports import free_port
 from reshard_cli.engines.vllm.clients import Call, control, fleet_layout
 from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
-                                                refit_topology, stage_mb)
+                                                refit_topology)
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
 from reshard_cli.plan.fleet import fleet_figures, fleet_of
-from reshard_cli.plan.groups import resume_layer
+from reshard_cli.plan.groups import resume_layer, stage_budget_mb
 from reshard_cli.transfer.comm import refit_group
 from reshard_cli.transfer.live import Refit, RefitFailed, progress
 from reshard_cli.transfer.versions import held_by, label
@@ -130,7 +130,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
             raise
         error = _own_error(src, tensors, init_info.rank)
         try:
-            stage_mb(init_info.stage_mb, dst)
+            stage_budget_mb(dst, init_info.stage_mb)
         except ConfigError as e:
             error = error or str(e)
         try:
@@ -152,7 +152,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                            if open_ranks & set(ranks)}
         self.refit = (Refit(role="src", src=src, dst=dst, mode=init_info.mode, topology=topology,
                             bucket_mb=init_info.bucket_mb, group=self.group,
-                            stage_mb=stage_mb(init_info.stage_mb, dst), who=f"trainer {init_info.rank}")
+                            stage_mb=stage_budget_mb(dst, init_info.stage_mb), who=f"trainer {init_info.rank}")
                       if init_info.path == "reshard" else None)
 
     def fleet_figures(self) -> dict | None:

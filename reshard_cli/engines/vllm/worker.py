@@ -40,9 +40,10 @@ import torch.distributed as dist
 
 from reshard_cli.engines.vllm import compat, cpu_repairs, full
 from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
-                                                refit_topology, stage_mb)
+                                                refit_topology)
 from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
+from reshard_cli.plan.groups import stage_budget_mb
 from reshard_cli.errors import ConfigError, ReshardError
 from reshard_cli.plan.fleet import fleet_of
 from reshard_cli.transfer.comm import abort_group, refit_group
@@ -101,7 +102,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         if self.path == "reshard":
             self.refit = Refit(role="dst", src=src, dst=dst, mode=init_info.mode, topology=topology,
                                bucket_mb=init_info.bucket_mb, group=group, device=self.device,
-                               stage_mb=stage_mb(init_info.stage_mb, dst), who=self.role)
+                               stage_mb=stage_budget_mb(dst, init_info.stage_mb), who=self.role)
         self.last_stats = None
         self.updated = False
 
@@ -119,7 +120,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             misplaced = True
             check_deployment(dst, self.parallel_config, self.worker, self.replica)
             misplaced = False
-            stage_mb(init_info.stage_mb, dst)
+            stage_budget_mb(dst, init_info.stage_mb)
             if init_info.path == "reshard":
                 self.target = EngineTarget(self.model, dst, self.refit_rank, self.model_config)
         except ReshardError as e:

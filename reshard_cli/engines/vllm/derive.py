@@ -17,9 +17,8 @@ index spaces form a box of the checkpoint and a region of the parameter (a `Copy
   functions are tried backwards (`TRANSFORMS`), which names the function and, again, the boxes.
 
 `process_weights_after_loading` never runs: this is the storage a refit writes, not a kernel's repacking.
-The checkpoint's names come from transformers (the HF class of the config built on the meta device, its
-state dict renamed back to the published checkpoint names by `revert_weight_conversion`), or from the
-caller (a reshard manifest). Reported dtypes are those of a second build in the requested dtype, on the meta
+The checkpoint's names come from transformers (`layouts.hf_meta`: the HF class of the config built on the
+meta device, named as `save_pretrained` writes it), or from the caller (a reshard manifest). Reported dtypes are those of a second build in the requested dtype, on the meta
 device where the class allows it (the derivation itself runs in float32).
 
     d = derive(config, tp_size=2, tp_rank=1)
@@ -43,6 +42,7 @@ from reshard_cli.engines.vllm import compat
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats.storage import EngineTensor, View
 from reshard_cli.formats.vllm import storage
+from reshard_cli.layouts.hf_meta import tensors_from_transformers
 
 EXACT = 1 << 24  # float32 holds every integer up to here
 TRANSFORMS = {  # name: (function, its inverse), tried on the values a transformed load wrote
@@ -97,29 +97,14 @@ class Derived:
     unplaced: tuple
     checkpoint: dict
     seconds: float
+    expert_parallel: bool = False  # vLLM's options the rank was built with
+    expert_placement: str = "linear"
 
 
 def hf_checkpoint(config: dict) -> dict[str, tuple]:
-    """Name -> shape of the checkpoint transformers would save for `config`: its model built on the meta
-    device (no memory), a tied parameter kept under its first name only (a tied `lm_head.weight` is not in
-    a checkpoint), the state dict mapped back to the published names (transformers 5 fuses experts into 3-D
-    tensors and renames prefixes on load; `revert_weight_conversion` undoes both)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.core_model_loading import revert_weight_conversion
-
-    hf = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    hf.architectures = config.get("architectures")
-    # vLLM's `_register_config_class` sets a shared class's `model_type` for the whole process (loading a
-    # kimi_k2 config makes transformers' DeepseekV3Config say kimi_k2): the conversion mapping is keyed by it
-    hf.model_type = config.get("model_type", hf.model_type)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf)
-    state, seen = {}, set()
-    for n, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            state[n] = t
-    return {n: tuple(t.shape) for n, t in revert_weight_conversion(model, state).items()}
+    """Name -> shape of the checkpoint transformers would save for `config` (`layouts.hf_meta`: its model on
+    the meta device, named and typed as `save_pretrained` writes it)."""
+    return {name: tuple(shape) for name, shape, _dtype in tensors_from_transformers(config, "config")}
 
 
 class _Group:
@@ -247,6 +232,24 @@ def _positions(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.stack(torch.unravel_index(flat, t.shape), 1) if t.dim() else flat[:, None] * 0
 
 
+def _built(config: dict, build, dtype: str, device: str):
+    """`build(dtype, device)`, or one ConfigError naming the architecture and vLLM's reason when this vLLM
+    cannot construct it here (a kernel its CPU build lacks, an import it cannot satisfy, a config key its
+    model reads). NotImplementedError on the meta device passes (the caller builds on CPU instead)."""
+    try:
+        return build(dtype, device)
+    except NotImplementedError as e:
+        if device == "meta":
+            raise
+        why = e
+    except (ImportError, AttributeError, ValueError, TypeError) as e:
+        why = e
+    arch = ", ".join(config.get("architectures") or [str(config.get("model_type"))])
+    reason = " ".join(str(why).split())[:300]
+    raise ConfigError(f"vLLM {compat.version()} cannot build {arch} in this process: {type(why).__name__}: "
+                      f"{reason}", key="config") from why
+
+
 def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bfloat16",
            expert_parallel: bool = False, expert_placement: str = "linear", checkpoint: dict | None = None) -> Derived:
     """What vLLM's `load_weights` writes where on TP rank `tp_rank` of `tp_size` for an HF `config` (a
@@ -266,12 +269,12 @@ def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bf
              for k, n in enumerate(names)]
     with _vllm(config, tp_size, tp_rank, expert_parallel, expert_placement) as build:
         try:
-            typed, _ = build(dtype, "meta")
+            typed, _ = _built(config, build, dtype, "meta")
         except NotImplementedError:  # a data-dependent op at construction (EP's expert map): build it for real
-            typed, _ = build(dtype, "cpu")
+            typed, _ = _built(config, build, dtype, "cpu")
         dtypes = {n: str(t.dtype).removeprefix("torch.") for n, t in _tensors(typed).items()}
         del typed
-        model, vc = build("float32", "cpu")
+        model, vc = _built(config, build, "float32", "cpu")
         tensors = _tensors(model)
         for t in tensors.values():
             t.fill_(float("nan"))
@@ -301,7 +304,8 @@ def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bf
     placed |= {c.source for p in params.values() for c in p.copies}
     placed |= {s for p in params.values() for s in p.transformed if s}
     return Derived(dict(config), tp_size, tp_rank, params, tuple(done),
-                   tuple(n for n in names if n not in placed), dict(zip(names, shapes)), time.perf_counter() - t0)
+                   tuple(n for n in names if n not in placed), dict(zip(names, shapes)), time.perf_counter() - t0,
+                   expert_parallel, expert_placement)
 
 
 def _probe(vc, model, items, tensors, writer, odd, params, names, shapes) -> list[tuple]:
@@ -342,6 +346,58 @@ def _probe(vc, model, items, tensors, writer, odd, params, names, shapes) -> lis
             else:
                 out.append((names[k], n, None, int(mask.sum())))
     return out
+
+
+# ------------------------------------------------------------------------------ the map, judged by vLLM's load
+
+
+def replay(derived: Derived, checkpoint: dict) -> dict[str, torch.Tensor]:
+    """What the derived map says each parameter holds after a load of `checkpoint` (name -> float32 tensor of
+    the shape `derived.checkpoint` lists): every copy's box written into its region, transformed copies through
+    their function; NaN where no copy writes."""
+    out = {}
+    for p in derived.params.values():
+        t = torch.full(p.shape, float("nan"))
+        for c in p.copies:
+            box = checkpoint[c.source][tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))]
+            region = t[c.region]
+            values = box.reshape(region.shape)  # the region's elements in row-major order are the box's
+            t[c.region] = TRANSFORMS[c.transform][0](values) if c.transform else values
+        out[p.name] = t
+    return out
+
+
+def vllm_load(derived: Derived, checkpoint: dict) -> dict[str, torch.Tensor]:
+    """The same rank's model (float32, NaN-filled) after vLLM's own `load_weights` of `checkpoint`: its
+    parameters by name (those the derivation lists)."""
+    with _vllm(derived.config, derived.tp_size, derived.tp_rank, derived.expert_parallel,
+               derived.expert_placement) as build:
+        model, vc = _built(derived.config, build, "float32", "cpu")
+        tensors = _tensors(model)
+        for t in tensors.values():
+            t.fill_(float("nan"))
+        compat.load_under(vc, model, iter(list(checkpoint.items())))
+    return {n: tensors[n] for n in derived.params}
+
+
+def check_against_load(derived: Derived, seed: int = 0) -> list[str]:
+    """The derived map judged by vLLM's own loader: a checkpoint of random values (`seed`) loaded by vLLM
+    (`vllm_load`) and replayed through the map (`replay`) must agree on every element of every parameter, bit
+    for bit, but where vLLM zeroed what no copy writes (as many as the derivation counted). One line per
+    parameter that differs; [] when the map is vLLM's load."""
+    g = torch.Generator().manual_seed(seed)
+    checkpoint = {n: torch.randn(s, generator=g) for n, s in derived.checkpoint.items()}
+    ours, theirs = replay(derived, checkpoint), vllm_load(derived, checkpoint)
+    lines = []
+    for n, p in derived.params.items():
+        a, b = ours[n], theirs[n]
+        zeroed = a.isnan() & (b == 0)
+        same = (a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan()) | zeroed
+        if not bool(same.all()):
+            lines.append(f"{n}: {int((~same).sum())} of {a.numel()} elements differ from vLLM's load")
+        elif int(zeroed.sum()) != p.zeroed:
+            lines.append(f"{n}: vLLM zeroed {int(zeroed.sum())} elements, the derivation counted {p.zeroed}")
+    return lines
 
 
 # ------------------------------------------------------------------------------ in formats.vllm's terms

@@ -268,7 +268,7 @@ def test_judging_can_fail(derived):
 
 
 # What vLLM 0.32's CPU build cannot construct in a process (so cannot derive here), each named in one line:
-# LatentMoE and gpt-oss need a fused-MoE backend it lacks, DeepSeek-V3.2's indexer sparse attention, and
+# Nemotron 3's MoE layers (non-gated relu² experts) and gpt-oss need a fused-MoE backend it lacks, DeepSeek-V3.2's indexer sparse attention, and
 # Qwen3.5's module imports its vision tower, which needs torchvision (not installable against the CPU torch).
 CPU_BUILD_LIMITS = {
     "nemotron_h-moe": (dict(_nemotron_h(2), layers_block_type=["mamba", "attention", "mamba", "moe"],

@@ -9,6 +9,17 @@ import torch.multiprocessing as mp
 from reshard_cli.base.ports import free_port  # noqa: F401  (tests import it from here)
 
 
+def agreed_port() -> int:
+    """A port for a rendezvous of its own (a refit group), inside `run_ranks`' ranks: picked free by rank 0 once
+    the default group's connections hold their ports (one picked before them can be taken by one of them),
+    told to every rank."""
+    import torch.distributed as dist
+
+    port = [free_port("127.0.0.1") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    return port[0]
+
+
 def _entry(rank, world, port, fn, args, queue):
     import torch.distributed as dist
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import ROOT, SMALL_MODEL, write_pair
-from dist_util import run_ranks
+from dist_util import agreed_port, run_ranks
 
 
 def _live(rank, world, src_path, dst_path):
@@ -61,14 +61,14 @@ def test_live_refit_example():
     assert r.stdout.count("checksums ok") == 5
 
 
-def _own_group(rank, world, src_path, dst_path, port):
+def _own_group(rank, world, src_path, dst_path):
     """The refit runs over its own group, numbered backwards from the default one: a message sent on the
     default group would reach the wrong process, so exact results prove only the refit group carried them."""
     from reshard_cli.formats import load_pair
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
 
-    group = refit_group("127.0.0.1", port, world - 1 - rank, world)
+    group = refit_group("127.0.0.1", agreed_port(), world - 1 - rank, world)
     me = group.rank
     src, dst = load_pair(src_path, dst_path)
     man = src.manifest.tensors
@@ -90,10 +90,8 @@ def _own_group(rank, world, src_path, dst_path, port):
 
 
 def test_refit_over_its_own_group(tmp_path):
-    from dist_util import free_port
-
     src, dst = write_pair(tmp_path, "tp2_to_tp3")
-    results = run_ranks(5, _own_group, str(src), str(dst), free_port())
+    results = run_ranks(5, _own_group, str(src), str(dst))
     assert all(results.values()), results
 
 
@@ -112,7 +110,7 @@ APART = "name: fleet\ndomains: ['2-5']\n"  # the replicas share one NVLink domai
 TOGETHER = "name: colocated\ndomains: ['0,2-5']\n"  # trainer rank 0 shares it: its shards need no network
 
 
-def _fleet(rank, world, src_path, dst_path, topo_path, port):
+def _fleet(rank, world, src_path, dst_path, topo_path):
     """Every mode over a refit group of its own (numbered backwards from the default group, so only the refit
     group can carry the bytes) into two replicas of one domain: each destination shard exact, element by
     element, from sentinel-filled buffers; every rank's bytes sent and received."""
@@ -120,7 +118,7 @@ def _fleet(rank, world, src_path, dst_path, topo_path, port):
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
 
-    group = refit_group("127.0.0.1", port, world - 1 - rank, world)
+    group = refit_group("127.0.0.1", agreed_port(), world - 1 - rank, world)
     me = group.rank
     src, dst = load_pair(src_path, dst_path)
     man = src.manifest.tensors
@@ -149,14 +147,12 @@ def test_every_mode_over_its_own_group_with_forwarding(tmp_path, topology):
     once into the replicas' domain (the minimum), the replicas forward exactly the plan's forwarded bytes to each
     other, and broadcast and hybrid (sub-groups on the group's store) land the same values. With a trainer rank
     inside the domain, its shards reach both replicas from there and only the other rank's are forwarded."""
-    from dist_util import free_port
-
     (tmp_path / "model.yaml").write_text(SMALL_MODEL)
     paths = []
     for name, text in zip(("src.yaml", "dst.yaml", "topo.yaml"), (*FLEET, topology)):
         (tmp_path / name).write_text(text)
         paths.append(str(tmp_path / name))
-    results = run_ranks(6, _fleet, *paths, free_port())
+    results = run_ranks(6, _fleet, *paths)
     for mode in ("reshard", "broadcast", "hybrid", "auto"):
         rows = sorted(r[mode] for r in results.values())
         assert all(ok for _, ok, *_ in rows), (mode, rows)
@@ -176,7 +172,7 @@ def test_every_mode_over_its_own_group_with_forwarding(tmp_path, topology):
             assert rows[0][4] == "broadcast" and sent[0] + sent[1] > 0
 
 
-def _resumed(rank, world, src_path, dst_path, topo_path, port):
+def _resumed(rank, world, src_path, dst_path, topo_path):
     """A refit in agreed groups of one layer each (the tensors outside the layers, layer 0, layer 1), then the
     next step resumed at layer 0 (what a fleet's survivors run after a member was dropped in that group):
     destinations start from a sentinel; after the resumed refit the group before it still holds the first
@@ -185,7 +181,7 @@ def _resumed(rank, world, src_path, dst_path, topo_path, port):
     from reshard_cli.transfer.comm import refit_group
     from reshard_cli.transfer.live import Refit
 
-    group = refit_group("127.0.0.1", port, rank, world)
+    group = refit_group("127.0.0.1", agreed_port(), rank, world)
     src, dst = load_pair(src_path, dst_path)
     man = src.manifest.tensors
     role = "src" if rank in src.ranks else "dst"
@@ -220,14 +216,12 @@ def test_a_resumed_refit_sends_only_the_groups_from_there_on(tmp_path):
     fleet member was dropped). Two replicas in one domain, forwarding on: the trainer sends exactly the later
     groups' wire, every destination holds the skipped group from the step before (element by element) and
     the rest from this step."""
-    from dist_util import free_port
-
     (tmp_path / "model.yaml").write_text(SMALL_MODEL)
     paths = []
     for name, text in zip(("src.yaml", "dst.yaml", "topo.yaml"), (*FLEET, APART)):
         (tmp_path / name).write_text(text)
         paths.append(str(tmp_path / name))
-    rows = sorted(run_ranks(6, _resumed, *paths, free_port()).values(), key=lambda r: r["rank"])
+    rows = sorted(run_ranks(6, _resumed, *paths).values(), key=lambda r: r["rank"])
     assert rows[0]["groups"] == [(), (0,), (1,)] and "embed_tokens.weight" in rows[0]["skipped"], rows[0]
     assert all(r["exact"] and r["ok"] == (True, True) and r["first"] == (0, 1, 2) for r in rows), rows
     wire = rows[0]["wire"]

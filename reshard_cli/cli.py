@@ -48,6 +48,8 @@ ModeOpt = typer.Option("auto", "--mode", help="auto | reshard | broadcast | hybr
                                                "reshard with forwarding without link figures); hybrid: FFN/expert "
                                                "weights by reshard, the rest by broadcast.")
 MatchOpt = typer.Option(None, "--reshard-match", help="Regex of tensors that take the reshard path in hybrid mode.")
+TransportOpt = typer.Option("auto", "--transport", help="auto | gloo | nccl | shm: what carries the messages (shm: "
+                            "shared memory between ranks of one host, the backend between hosts; auto: the backend).")
 ScaleOpt = typer.Option(1, "--scale", min=1, help="Grow a bundled model's FFN/expert widths N-fold (benchmarks).")
 
 
@@ -186,6 +188,7 @@ def run(
     mode: str = ModeOpt,
     reshard_match: Optional[str] = MatchOpt,
     backend: str = typer.Option("auto", "--backend", help="auto | gloo | nccl (auto: nccl when every rank has a GPU)."),
+    transport: str = TransportOpt,
     bucket_mb: float = typer.Option(64.0, "--bucket-mb", help="Staging memory per rank for packed buckets (MiB)."),
     source: Optional[str] = typer.Option(None, "--source", help="Override the src layout's source: synthetic | "
                                          "safetensors:PATH | shards:PATH | dcp:PATH | megatron:PATH "
@@ -219,7 +222,8 @@ def run(
     from reshard_cli.transfer.launcher import under_torchrun
 
     opts = run_mod.RunOptions(src=src, dst=dst, topology=topology, mode=mode, reshard_match=reshard_match,
-                              backend=backend, bucket_mb=bucket_mb, source=source, out=out, overwrite=overwrite,
+                              backend=backend, transport=transport, bucket_mb=bucket_mb, source=source, out=out,
+                              overwrite=overwrite,
                               iters=iters, json=json_out, quiet=quiet, timeout=timeout, link_test=link_test,
                               refit_host=refit_host, stage_mb=stage_mb, require_all=require_all, scale=scale,
                               argv=sys.argv[1:]).validated()
@@ -322,6 +326,8 @@ def bench(
     topology: Optional[Path] = TopoOpt,
     reshard_match: Optional[str] = MatchOpt,
     backend: str = typer.Option("auto", "--backend", help="auto | gloo | nccl."),
+    transport: str = typer.Option("auto", "--transport", help="auto | gloo | nccl | shm (shm: every engine mode "
+                                  "and the live API also over shared memory, beside the backend's own)."),
     bucket_mb: float = typer.Option(64.0, "--bucket-mb", help="Staging memory per rank for packed buckets (MiB)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every figure as JSON."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of time and GB/s per mode (needs matplotlib)."),
@@ -336,7 +342,7 @@ def bench(
 
     bench_mod.main(bench_mod.BenchOptions(
         src=src, dst=dst, suite=suite, iters=iters, sizes=sizes, scale=scale, topology=topology,
-        reshard_match=reshard_match, backend=backend, bucket_mb=bucket_mb, json=json_out, plot=plot,
+        reshard_match=reshard_match, backend=backend, transport=transport, bucket_mb=bucket_mb, json=json_out, plot=plot,
         plan_scaling=plan_scaling, quiet=quiet, timeout=timeout, dcp_dir=dcp_dir, argv=sys.argv[1:]))
 
 

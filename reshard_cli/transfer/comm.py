@@ -64,6 +64,16 @@ class _Comm:
     _links = 0  # engine set-ups linked so far (collective: the same count on every rank)
     _linked: frozenset = frozenset()  # the peers this rank's transport is set up with
 
+    one_sided = False  # a transport whose receiver takes a message from the sender's memory (`transfer.shm`); it
+    # has `itake(nbytes, peer, consume)` and wants every send from `staging`
+
+    def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """`nbytes` of staging for messages (a one-sided transport's: memory its receivers can read)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give back what `staging` returned (here: the garbage collector does)."""
+
     def run(self, fn, *args):
         """A blocking call on the group (a wait, a collective), guarded when the group has a watchdog."""
         return fn(*args) if self.guard is None else self.guard.run(fn, *args)

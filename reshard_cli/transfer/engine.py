@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -74,12 +75,15 @@ class Engine:
         while len(self._staging) <= i:
             self._staging.append(torch.empty(0, dtype=torch.uint8, device=self.device))
         if self._staging[i].numel() < nbytes:
-            self._staging[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.comm.release(self._staging[i])
+            self._staging[i] = self.comm.staging(nbytes, self.device)
             self.peak_staging_bytes = max(self.peak_staging_bytes, sum(b.numel() for b in self._staging))
         return self._staging[i][:nbytes]
 
     def release_staging(self) -> None:
         """Drop the staging buffers (allocated again by the next run): a refit in groups holds one group's."""
+        for buf in [*self._staging, *([self._ring.buf] if self._ring is not None else [])]:
+            self.comm.release(buf)
         self._staging, self._ring = [], None
 
     def _slot(self, buf: torch.Tensor, t: int, box: Box, off: int) -> torch.Tensor:
@@ -173,15 +177,21 @@ class Engine:
         t, box, _ = op.items[0]
         if self.wire.fp8(t, box):  # quantized on the way: always through a message buffer
             return None
+        if op.send and self.comm.one_sided:  # its receiver reads the staging: packed there, one copy as any
+            return None
         # a forward reads what this rank received; a phase-0 send reads the source
         v = (self._dst_view if op.after is not None or not op.send else self._src_view)(t, box)
         return v if v.is_contiguous() else None
 
+    def _taken(self, op) -> bool:
+        """A received message a one-sided transport lets this rank unpack where its sender left it."""
+        return not op.send and self.comm.one_sided and self._direct(op) is None
+
     def _staging_ring(self) -> "_Ring":
         if self._ring is None:
-            need = sum(schedule.align(op.nbytes) for op in self.ops if self._direct(op) is None)
+            need = sum(schedule.align(op.nbytes) for op in self.ops if self._direct(op) is None and not self._taken(op))
             cap = max(min(need, self.options.bucket_bytes), schedule.ALIGN)
-            self._ring = _Ring(torch.empty(cap, dtype=torch.uint8, device=self.device))
+            self._ring = _Ring(self.comm.staging(cap, self.device))
             self.peak_staging_bytes = max(self.peak_staging_bytes,
                                           cap + sum(b.numel() for b in self._staging))
         return self._ring
@@ -202,6 +212,9 @@ class Engine:
                 self._finish(pending.popleft(), ring)
             if direct is not None:
                 tensor, staged = direct, _DIRECT
+            elif self._taken(op):  # unpacked from where its sender left it
+                pending.append((self.comm.itake(op.nbytes, op.peer, partial(self._unpack_all, op)), op, None, _TAKEN))
+                continue
             else:
                 if schedule.align(op.nbytes) > ring.cap:  # planned as direct, but this tensor is strided here
                     tensor, staged = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device), _TEMP
@@ -218,12 +231,15 @@ class Engine:
         while pending:
             self._finish(pending.popleft(), ring)
 
+    def _unpack_all(self, op, buf: torch.Tensor) -> None:
+        for t, box, off in op.items:
+            self._unpack(buf, t, box, off)
+
     def _finish(self, entry, ring: "_Ring") -> None:
         work, op, tensor, staged = entry
         work.wait()
-        if not op.send and staged != _DIRECT:
-            for t, box, off in op.items:
-                self._unpack(tensor, t, box, off)
+        if not op.send and staged not in (_DIRECT, _TAKEN):
+            self._unpack_all(op, tensor)
         if staged == _RING:
             ring.free()
         payload = sum(self.wire.payload(t, box) for t, box, _ in op.items)  # the bucket's alignment gaps aside
@@ -325,7 +341,8 @@ class Engine:
                     self.bytes_sent += a.numel * self._item[t]
 
 
-_DIRECT, _RING, _TEMP = 0, 1, 2  # where a message's bytes are: the tensor itself, the staging ring, a temporary
+_DIRECT, _RING, _TEMP, _TAKEN = 0, 1, 2, 3  # where a message's bytes are: the tensor itself, the staging ring, a
+# temporary, the sender's memory (unpacked from there by a one-sided transport)
 
 
 class _Ring:

@@ -41,6 +41,7 @@ class JobOptions:
     topology: Path | None = None
     reshard_match: str | None = None
     backend: str = "auto"
+    transport: str = "auto"  # what carries the messages (`transfer.shm.with_transport`): auto, gloo, nccl, shm
     bucket_mb: float = 64.0
     scale: int = 1
     quiet: bool = False
@@ -109,10 +110,18 @@ def check_world(world: int, needed: int, what: str) -> None:
         raise ConfigError(f"world size {world} is smaller than the {needed} ranks {what}", key="WORLD_SIZE")
 
 
-def pick_backend(choice: str) -> str:
-    """auto: nccl when every local rank has a GPU, else gloo; nccl without enough GPUs is a one-line error."""
+def pick_backend(choice: str, transport: str = "auto") -> str:
+    """auto: nccl when every local rank has a GPU, else gloo; nccl without enough GPUs is a one-line error.
+    `transport` (`--transport`): gloo or nccl name the backend too; shm runs on gloo (host memory)."""
     if choice not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"unknown backend {choice!r} (auto, gloo, nccl)", key="--backend")
+    if transport not in ("auto", "gloo", "nccl", "shm"):
+        raise ConfigError(f"unknown transport {transport!r} (auto, gloo, nccl, shm)", key="--transport")
+    wants = {"shm": "gloo"}.get(transport, transport)
+    if wants != "auto":
+        if choice not in ("auto", wants):
+            raise ConfigError(f"--transport {transport} runs on the {wants} backend, not {choice}", key="--transport")
+        choice = wants
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if choice == "nccl" and gpus < local:

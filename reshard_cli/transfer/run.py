@@ -48,6 +48,7 @@ from reshard_cli.transfer.dryrun import world_size
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.launcher import JobOptions, Reported
 from reshard_cli.transfer.comm import WORLD
+from reshard_cli.transfer.shm import transport_name, with_transport
 from reshard_cli.transfer.results import RunReport
 from reshard_cli.transfer.watchdog import GroupBroken
 
@@ -136,7 +137,7 @@ def worker(opts: RunOptions, push: Callable | None = None) -> RunReport | None:
         topo = load_topology(opts.topology) if opts.topology and not auto else NO_TOPOLOGY
         plan = pipeline.ready_plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match,
                                    bucket_bytes=opts.transfer.bucket_bytes)
-        return plan, launcher.pick_backend(opts.backend)
+        return plan, launcher.pick_backend(opts.backend, opts.transport)
 
     plan, backend = launcher.prepare(validate)
     with launcher.process_group(backend, opts.timeout) as device:
@@ -162,7 +163,8 @@ def _discover_topology(world: int):
 def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> RunReport | None:
     source, src_shards, dst_shards = load(opts, plan, rank, device)
     bar = _progress_bar(opts, rank)
-    engine = pipeline.build_engine(plan, rank, src_shards, dst_shards, opts.transfer, device,
+    comm = with_transport(WORLD, opts.transport, device)  # collective
+    engine = pipeline.build_engine(plan, rank, src_shards, dst_shards, opts.transfer, device, comm=comm,
                                    progress=(lambda n: bar.update(n)) if bar else None)
     link_gbps = pipeline.LinkLimit(engine, device).best_gbps() if opts.link_test else None
     if HOOKS is not None:
@@ -180,6 +182,9 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
         _write_output(opts.out, plan, rank, world, dst_shards, result)
     if source is not None:
         source.close()
+    engine.release_staging()
+    if comm is not WORLD:
+        comm.close()
     if rank != 0:
         if not result.ok:
             raise Reported("verification failed", 1)
@@ -341,8 +346,8 @@ def _run_doc(opts, plan, stats, paths, result: Verified, staging, link_gbps, wor
     total_s = sum(v["seconds"] for v in paths.values())
     return {
         "mode": plan.mode, "src": plan.src.name, "dst": plan.dst.name, "model": plan.src.manifest.name,
-        "world": world, "backend": dist.get_backend(), "device": device.type, "iters": opts.iters,
-        "bucket_bytes": opts.transfer.bucket_bytes,
+        "world": world, "backend": dist.get_backend(), "transport": transport_name(opts.transport),
+        "device": device.type, "iters": opts.iters, "bucket_bytes": opts.transfer.bucket_bytes,
         "seconds": total_s, "bytes": stats["bytes"], "gbps": stats["bytes"] / total_s / 1e9 if total_s else 0.0,
         "wire_bytes": stats["wire_bytes"],
         "wire_gbps": stats["wire_bytes"] / total_s / 1e9 if total_s else 0.0,
@@ -364,7 +369,7 @@ def _run_text(opts, plan, stats, doc: dict, result: Verified, world: int) -> str
                  fmt_bytes(stats["indomain_bytes"]), f"{doc['seconds'] * 1e3:.1f}", f"{doc['gbps']:.2f}",
                  doc["wrong"]])
     lines = [f"reshard run: {plan.src.manifest.name}  {plan.src.name} ({plan.src.size} ranks) -> {plan.dst.name} "
-             f"({plan.dst.size} ranks)  mode {plan.mode}  backend {doc['backend']}  world {world}"
+             f"({plan.dst.size} ranks)  mode {plan.mode}  transport {doc['transport']}  world {world}"
              f"  iters {opts.iters} (median{' after warm-up' if opts.iters > 1 else ''})",
              table(["path", "tensors", "bytes", "wire", "in-domain", "time ms", "GB/s", "#wrong"], rows)]
     if link_gbps:

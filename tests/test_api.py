@@ -9,14 +9,14 @@ from conftest import ROOT, SMALL_MODEL, write_pair
 from dist_util import agreed_port, run_ranks
 
 
-def _live(rank, world, src_path, dst_path):
+def _live(rank, world, src_path, dst_path, transport="auto"):
     from reshard_cli.transfer.live import Refit
     from reshard_cli.formats import load_pair
 
     src, dst = load_pair(src_path, dst_path)
     man = src.manifest.tensors
     role = "src" if rank in src.ranks else "dst" if rank in dst.ranks else "idle"
-    refit = Refit(role=role, src=src_path, dst=dst_path, mode="hybrid")
+    refit = Refit(role=role, src=src_path, dst=dst_path, mode="hybrid", transport=transport)
     results = []
     buffers: dict = {}  # the destination buffers of the first refit, reused (in place) later
     sources: dict = {}  # step 1 updates the step-0 source tensors in place (the binding is kept); 2 passes new ones
@@ -47,9 +47,10 @@ def _live(rank, world, src_path, dst_path):
     return results
 
 
-def test_yaml_layouts_plain_tensors(tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_yaml_layouts_plain_tensors(tmp_path, transport):
     src, dst = write_pair(tmp_path, "pp2_ep2_to_dp2_tp2")
-    results = run_ranks(9, _live, str(src), str(dst))  # rank 8 is idle
+    results = run_ranks(9, _live, str(src), str(dst), transport)  # rank 8 is idle
     assert all(all(r) for r in results.values()), results
 
 
@@ -110,7 +111,7 @@ APART = "name: fleet\ndomains: ['2-5']\n"  # the replicas share one NVLink domai
 TOGETHER = "name: colocated\ndomains: ['0,2-5']\n"  # trainer rank 0 shares it: its shards need no network
 
 
-def _fleet(rank, world, src_path, dst_path, topo_path):
+def _fleet(rank, world, src_path, dst_path, topo_path, transport="auto"):
     """Every mode over a refit group of its own (numbered backwards from the default group, so only the refit
     group can carry the bytes) into two replicas of one domain: each destination shard exact, element by
     element, from sentinel-filled buffers; every rank's bytes sent and received."""
@@ -129,7 +130,7 @@ def _fleet(rank, world, src_path, dst_path, topo_path):
     out = {}
     for mode in ("reshard", "broadcast", "hybrid", "auto"):
         refit = Refit(role=role, src=src_path, dst=dst_path, topology=topo_path, mode=mode, group=group,
-                      reshard_match="up_proj|down_proj")
+                      reshard_match="up_proj|down_proj", transport=transport)
         tensors = {man[t].name: (full[man[t].name][box.slices()].clone() if role == "src" else
                                  torch.full(box.sizes, -7.0).to(full[man[t].name].dtype))
                    for t, box in layout.held(me)}
@@ -141,8 +142,9 @@ def _fleet(rank, world, src_path, dst_path, topo_path):
     return out
 
 
-@pytest.mark.parametrize("topology", [APART, TOGETHER], ids=["apart", "colocated"])
-def test_every_mode_over_its_own_group_with_forwarding(tmp_path, topology):
+@pytest.mark.parametrize("topology,transport", [(APART, "auto"), (TOGETHER, "auto"), (APART, "shm")],
+                         ids=["apart", "colocated", "apart-shm"])
+def test_every_mode_over_its_own_group_with_forwarding(tmp_path, topology, transport):
     """Over a refit group of its own, the plan's forwarding and every route run: the trainer sends each byte
     once into the replicas' domain (the minimum), the replicas forward exactly the plan's forwarded bytes to each
     other, and broadcast and hybrid (sub-groups on the group's store) land the same values. With a trainer rank
@@ -152,7 +154,7 @@ def test_every_mode_over_its_own_group_with_forwarding(tmp_path, topology):
     for name, text in zip(("src.yaml", "dst.yaml", "topo.yaml"), (*FLEET, topology)):
         (tmp_path / name).write_text(text)
         paths.append(str(tmp_path / name))
-    results = run_ranks(6, _fleet, *paths)
+    results = run_ranks(6, _fleet, *paths, transport)
     for mode in ("reshard", "broadcast", "hybrid", "auto"):
         rows = sorted(r[mode] for r in results.values())
         assert all(ok for _, ok, *_ in rows), (mode, rows)

@@ -64,25 +64,49 @@ def test_injected_faults_are_caught(tmp_path, faults):
     assert not (out / "manifest.json").exists()  # never a complete-looking output
 
 
-def test_dead_rank_fails_every_rank(tmp_path):
+def _shm_files() -> set:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("reshard-shm-")} if os.path.isdir("/dev/shm") else set()
+
+
+def test_shared_memory_transport_run_is_exact_and_leaves_no_file(tmp_path):
+    """`--transport shm`: the demo over shared memory, exact (values and checksums) and the same checksums as
+    over gloo; its files in /dev/shm gone when the job ends."""
+    before = _shm_files()
+    docs = {}
+    for transport in ("gloo", "shm"):
+        js = tmp_path / f"{transport}.json"
+        r = reshard("run", "--src", TRAIN, "--dst", INFER, "--transport", transport, "--iters", "2", "--quiet",
+                    "--json", js)
+        assert r.returncode == 0, r.stderr
+        docs[transport] = json.loads(js.read_text())
+    assert docs["shm"]["transport"].startswith("shm") and docs["gloo"]["transport"] == "gloo"
+    assert docs["shm"]["wrong"] == 0 and docs["shm"]["verified"] == "exact values + checksums"
+    assert docs["shm"]["checksums"] == docs["gloo"]["checksums"]
+    assert _shm_files() <= before
+    r = reshard("run", "--src", TRAIN, "--dst", INFER, "--transport", "shm", "--backend", "nccl", "--quiet")
+    assert r.returncode == 2 and "--transport" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_dead_rank_fails_every_rank(tmp_path, transport):
     out = tmp_path / "out"
     r = reshard("run", "--src", TRAIN, "--dst", INFER, "--quiet", "--no-link-test", "--timeout", "30",
-                "--out", out, faults="die:1")
+                "--out", out, "--transport", transport, faults="die:1")
     assert r.returncode == 1
     assert "worker rank 1 died" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (out / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("stalled", [1, 0])
-def test_stalled_rank_is_named(tmp_path, stalled):
+@pytest.mark.parametrize("stalled,transport", [(1, "auto"), (0, "auto"), (1, "shm")])
+def test_stalled_rank_is_named(tmp_path, stalled, transport):
     """A worker stopped (SIGSTOP) before its first byte: the job's watchdog names it in one line (half of
     --timeout without a heartbeat) and the job ends, rather than a peer timing out and naming itself. Rank 0
     stalled too: another rank says it. (--timeout 10: a rank silent 5 s is named; it continues at 15 s and
     takes torchrun's stop then.)"""
     out = tmp_path / "out"
     r = reshard("run", "--src", TRAIN, "--dst", INFER, "--quiet", "--no-link-test", "--timeout", "10",
-                "--out", out, faults=f"stall:{stalled}:15")
+                "--out", out, "--transport", transport, faults=f"stall:{stalled}:15")
     assert r.returncode == 1, r.stdout + r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr

@@ -41,6 +41,7 @@ from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.transfer import verify
 from reshard_cli.transfer.agree import gather_failures, one_line
 from reshard_cli.transfer.comm import STALL, WORLD, GroupComm, WorldComm, world_guard
+from reshard_cli.transfer.shm import checked_transport, with_transport
 from reshard_cli.transfer.watchdog import GroupBroken
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.pipeline import build_engine, ready_plan, transfer_options
@@ -135,7 +136,7 @@ class Refit:
                  topology: str | Path | Topology | None = None, mode: str = "auto", bucket_mb: float = 64,
                  reshard_match: str | None = None, device: torch.device | str | None = None,
                  group: GroupComm | None = None, stage_mb: float | None = None, who: str = "",
-                 stall: float = STALL):
+                 stall: float = STALL, transport: str = "auto"):
         """`group`: a refit group of its own (`transfer.comm.refit_group`) instead of the default process group,
         for processes whose default group belongs to someone else (an inference engine's workers). Ranks in
         the layouts, and a DTensor mesh's ranks, are then the group's ranks; every mode and topology runs over
@@ -151,7 +152,10 @@ class Refit:
         `stall`: over the default group, the seconds a rank may go without a heartbeat before every other rank
         names it and the refit ends (the watchdog this Refit keeps over a job nobody else guards; every wait
         of the refit is bounded by it). A refit group keeps the limit it was made with (`refit_group(stall=)`).
-        Every rank should pass the same value."""
+        Every rank should pass the same value.
+
+        `transport`: what carries the messages: "auto" (the group's backend) or "shm" (between ranks on one host
+        through shared memory, `transfer.shm`; the group's backend between hosts). Every rank passes the same."""
         if role not in ("src", "dst", "idle"):
             raise ConfigError(f"role must be 'src', 'dst' or 'idle', not {role!r}", key="role")
         if group is None and not dist.is_initialized():
@@ -162,6 +166,7 @@ class Refit:
         # job) keeps one of its own from set-up on, under keys numbered by the Refits created in this process
         self._world_refit = next(_WORLD_REFITS) if group is None else None
         self._guard = None
+        self.transport, self._carrier = transport, None  # checked with the other settings, below
         self.role, self.who = role, who
         self.rank = self.comm.rank
         self.calls = 0  # refits run (the key of what a destination records as committed)
@@ -176,6 +181,7 @@ class Refit:
 
     def _configure(self, src, dst, topology, mode, bucket_mb, reshard_match, device, stage_mb, stall) -> None:
         stage_mb = checked_stage_mb(stage_mb)
+        checked_transport(self.transport, key="transport")
         if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not 0 < stall < float("inf"):
             raise ConfigError(f"stall must be a positive number of seconds, not {stall!r}", key="stall")
         self.stall = float(stall)
@@ -291,6 +297,9 @@ class Refit:
         of waiting on heartbeats that have stopped: make a new Refit to refit again."""
         self._closed = True
         self.plan, self.parts = None, []  # a later call goes through set-up, which refuses it
+        if self._carrier is not None and self._carrier[1] is not self._carrier[0]:
+            self._carrier[1].close()  # a shared-memory transport's files
+        self._carrier = None
         if self._guard is not None:
             self._guard_closer()
             self._guard = None
@@ -413,10 +422,21 @@ class Refit:
             device = self.device or next((s.data.device for s in (*src_shards.values(), *dst_shards.values())),
                                          torch.device("cpu"))
             part.engine = build_engine(part.plan, self.rank, src_shards, dst_shards, self.options, device,
-                                       comm=self.comm)
+                                       comm=self._carried(device))
         else:
             part.engine.src_shards, part.engine.dst_shards = src_shards, dst_shards
         part.bound = _storage_of(tensors)
+
+    def _carried(self, device: torch.device):
+        """The comm the engines' messages go over: the group's, or shared memory wrapping it (made once per
+        group the Refit runs over; collective, as building an engine is)."""
+        if self.transport == "auto":
+            return self.comm
+        if self._carrier is None or self._carrier[0] is not self.comm:
+            if self._carrier is not None:
+                self._carrier[1].close()
+            self._carrier = (self.comm, with_transport(self.comm, self.transport, device))
+        return self._carrier[1]
 
     def _shards(self, part: _Part, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
         """Check what this rank passed against the part's plan and wrap it (views, no copies)."""

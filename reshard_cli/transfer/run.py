@@ -164,27 +164,28 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
     source, src_shards, dst_shards = load(opts, plan, rank, device)
     bar = _progress_bar(opts, rank)
     comm = with_transport(WORLD, opts.transport, device)  # collective
-    engine = pipeline.build_engine(plan, rank, src_shards, dst_shards, opts.transfer, device, comm=comm,
-                                   progress=(lambda n: bar.update(n)) if bar else None)
-    link_gbps = pipeline.LinkLimit(engine, device).best_gbps() if opts.link_test else None
-    if HOOKS is not None:
-        HOOKS.before_transfer(rank)
     try:
-        seconds = _move(engine, plan, opts.iters, device)
+        engine = pipeline.build_engine(plan, rank, src_shards, dst_shards, opts.transfer, device, comm=comm,
+                                       progress=(lambda n: bar.update(n)) if bar else None)
+        link_gbps = pipeline.LinkLimit(engine, device).best_gbps() if opts.link_test else None
+        if HOOKS is not None:
+            HOOKS.before_transfer(rank)
+        try:
+            seconds = _move(engine, plan, opts.iters, device)
+        finally:
+            if bar is not None:
+                bar.close()
+        if HOOKS is not None:
+            HOOKS.after_transfer(rank, dst_shards)
+        result = _verify(plan, rank, src_shards, dst_shards, source, device)  # collective: every message taken
+        staging = launcher.allreduce_int(engine.peak_staging_bytes)
     finally:
-        if bar is not None:
-            bar.close()
-    if HOOKS is not None:
-        HOOKS.after_transfer(rank, dst_shards)
-    result = _verify(plan, rank, src_shards, dst_shards, source, device)
-    staging = launcher.allreduce_int(engine.peak_staging_bytes)
+        if comm is not WORLD:
+            comm.close()  # a shared-memory transport's files
     if opts.out is not None:
         _write_output(opts.out, plan, rank, world, dst_shards, result)
     if source is not None:
         source.close()
-    engine.release_staging()
-    if comm is not WORLD:
-        comm.close()
     if rank != 0:
         if not result.ok:
             raise Reported("verification failed", 1)

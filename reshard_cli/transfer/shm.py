@@ -97,6 +97,14 @@ def sweep() -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (a zombie, not yet reaped by its parent, has)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -54,6 +54,29 @@ def test_bench_demo_pair_end_to_end(tmp_path):
     assert all(point["modes"][m]["wrong"] == 0 for m in bench_suite.MODES)
 
 
+def test_bench_shared_memory_beside_the_backend(tmp_path):
+    """`--transport shm`: every engine mode and the live API timed twice, over gloo and over shared memory,
+    side by side on the same processes and buffers, each run verified exactly; the copy limit beside the link
+    limit; no file left in /dev/shm."""
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("reshard-shm-")}
+    js = tmp_path / "bench.json"
+    r = reshard("bench", "--src", TRAIN, "--dst", INFER, "--transport", "shm", "--iters", "2", "--no-plan-scaling",
+                "--json", js, "--quiet")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(js.read_text())
+    assert doc["transports"] == ["gloo", "shm"]
+    (case,) = doc["cases"]
+    assert list(case["modes"]) == ["auto", "auto@shm", "reshard", "reshard@shm", "hybrid", "hybrid@shm",
+                                   "broadcast", "broadcast@shm", "live", "live@shm", "dcp"]
+    for mode, v in case["modes"].items():
+        assert v["wrong"] == 0 and len(v["times"]) == 2, mode
+        if mode.endswith("@shm"):
+            base = case["modes"][mode.removesuffix("@shm")]
+            assert v["wire_bytes"] == base["wire_bytes"] and v["vs_backend"] > 0, mode
+    assert case["copy_limit_gbps"] > 0 and "copy limit" in r.stdout and "reshard@shm" in r.stdout
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("reshard-shm-")} <= before
+
+
 def _fake_case(**seconds):
     modes = {m: {"seconds": s, "gbps": 1e9 / s / 1e9 if s else 0.0, "wire_bytes": 2_000_000_000,
                  "peak_staging_bytes": 64 << 20, "wrong": 0, "cpu_seconds": 2 * s} for m, s in seconds.items()}

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from reshard_cli.bench import report
 from reshard_cli.bench.dcp import DcpRun
-from reshard_cli.bench.suite import ENGINE_MODES, LIVE_MODE, MODES, BenchOptions, Case, Suite, case_named, resolve, \
-    sweep_cases, world_needed
+from reshard_cli.bench.suite import ENGINE_MODES, LIVE_MODE, SHM, BenchOptions, Case, Suite, base_mode, case_named, \
+    modes_of, resolve, sweep_cases, world_needed
 from reshard_cli.formats import load_pair
 from reshard_cli.io.sources import SyntheticSource
 from reshard_cli.layouts.layout import Layout
@@ -26,7 +26,9 @@ from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.transfer import launcher, pipeline
 from reshard_cli.transfer.engine import Engine
+from reshard_cli.transfer.comm import WORLD
 from reshard_cli.transfer.live import Refit
+from reshard_cli.transfer.shm import with_transport
 from reshard_cli.transfer.pipeline import EXPECTED_CACHE_BYTES, Expected, LinkLimit, Measure, median as _median, \
     rounds
 from reshard_cli.transfer.shards import fill_sentinel
@@ -41,7 +43,7 @@ def worker(opts: BenchOptions) -> dict | None:
         def validate():
             suite = resolve(opts, Path(workdir))
             launcher.check_world(world, world_needed(suite), "the cases use")
-            backend = launcher.pick_backend(opts.backend)
+            backend = launcher.pick_backend(opts.backend, opts.transport)
             if rank == 0:
                 report.check_outputs(opts)  # rank 0 writes them
             return suite, backend
@@ -70,10 +72,16 @@ def run_suite(suite: Suite, opts: BenchOptions, rank: int, world: int, device: t
             sweep.append(_sweep_point(case, r))
     if rank != 0:
         return None
-    return {"suite": suite.name, "backend": dist.get_backend(), "device": device.type, "world": world,
+    return {"suite": suite.name, "backend": dist.get_backend(), "transports": _transports(opts),
+            "device": device.type, "world": world,
             "iters": opts.iters, "torch": torch.__version__,
             "staging_note": "engine modes: Engine.peak_staging_bytes; dcp: see each case's dcp.staging_kind",
             "cases": cases, "sweep": sweep}
+
+
+def _transports(opts: BenchOptions) -> list[str]:
+    """What carried the messages: the backend's own, and shared memory beside it (`--transport shm`)."""
+    return [dist.get_backend(), "shm"] if opts.transport == "shm" else [dist.get_backend()]
 
 
 def _sweep_point(case: Case, doc: dict) -> dict:
@@ -98,21 +106,26 @@ def run_case(case: Case, opts: BenchOptions, rank: int, device: torch.device,
     """
     rig = CaseRig.build(case, opts, rank, device)
     link = LinkLimit(rig.engines["reshard"], device)  # the reshard plan's traffic, raw and all at once
-    live = Refit(rig.role(rank), src=rig.src_l, dst=rig.dst_l, topology=rig.topology, mode=LIVE_MODE,
-                 bucket_mb=case.bucket_mb, reshard_match=rig.match, device=device)
+    lives = {"live": Refit(rig.role(rank), src=rig.src_l, dst=rig.dst_l, topology=rig.topology, mode=LIVE_MODE,
+                           bucket_mb=case.bucket_mb, reshard_match=rig.match, device=device)}
+    if rig.carrier is not None:  # the same over shared memory
+        lives["live" + SHM] = Refit(rig.role(rank), src=rig.src_l, dst=rig.dst_l, topology=rig.topology,
+                                    mode=LIVE_MODE, bucket_mb=case.bucket_mb, reshard_match=rig.match, device=device,
+                                    transport="shm")
     dcp_run = DcpRun(rig.src_l, rig.dst_l, rank, rig.src_shards, rig.dst_shards, rig.expected, device, opts.dcp_dir)
-    measures = _measures(rig, link, live, dcp_run)
+    measures = _measures(rig, link, lives, dcp_run)
     try:
         rounds(measures, opts.iters + 1, device)
+        figures = CaseFigures.gather(measures, rig, lives, dcp_run, link)
     finally:
         dcp_run.close()
-    figures = CaseFigures.gather(measures, rig, live, dcp_run, link)
+        rig.close(lives)
     if rank != 0:
         return None
     doc = _case_doc(rig, figures)
     if say:
         modes = doc["modes"]
-        say("  " + ", ".join(f"{m} {report.ms(modes[m]['seconds'])} ms" for m in MODES)
+        say("  " + ", ".join(f"{m} {report.ms(v['seconds'])} ms" for m, v in modes.items())
             + f", link {report.ms(doc['link_limit_seconds'])} ms; #wrong {sum(v['wrong'] for v in modes.values())}")
     return doc
 
@@ -132,7 +145,9 @@ class CaseRig:
     src_shards: dict
     dst_shards: dict
     expected: Expected
-    engines: dict[str, Engine]
+    engines: dict[str, Engine]  # per engine mode (and "mode@shm" over `carrier`)
+    modes: tuple  # every mode timed (`suite.modes_of`)
+    carrier: object = None  # the shared-memory transport (`--transport shm`), else None
 
     @classmethod
     def build(cls, case: Case, opts: BenchOptions, rank: int, device: torch.device) -> "CaseRig":
@@ -146,8 +161,21 @@ class CaseRig:
         options = pipeline.transfer_options(case.bucket_mb)
         engines = {m: pipeline.build_engine(plans[m], rank, src_shards, dst_shards, options, device)
                    for m in ENGINE_MODES}  # collective: every rank, same order
+        carrier = with_transport(WORLD, "shm", device) if opts.transport == "shm" else None
+        if carrier is not None:
+            engines.update({m + SHM: pipeline.build_engine(plans[m], rank, src_shards, dst_shards, options, device,
+                                                           comm=carrier) for m in ENGINE_MODES})
         return cls(case, src_l, dst_l, topo, match, options, plans, src_shards, dst_shards,
-                   Expected(src_l.manifest.tensors, dst_shards, device), engines)
+                   Expected(src_l.manifest.tensors, dst_shards, device), engines, modes_of(opts.transport), carrier)
+
+    def close(self, lives: dict) -> None:
+        """The shared-memory transport's files (the engines' and the live API's), once every mode ran."""
+        for live in lives.values():
+            live.close()
+        if self.carrier is not None:
+            for eng in self.engines.values():
+                eng.release_staging()
+            self.carrier.close()
 
     def role(self, rank: int) -> str:
         return "src" if rank in self.src_l.ranks else "dst" if rank in self.dst_l.ranks else "idle"
@@ -163,17 +191,21 @@ class CaseRig:
         return self.expected.wrong({t: sh.data for t, sh in self.dst_shards.items()})
 
 
-def _measures(rig: CaseRig, link: LinkLimit, live: Refit, dcp_run: DcpRun) -> list[Measure]:
-    """In order: the link limit, the engine modes, the live API, DCP (every one but the link verified)."""
+def _measures(rig: CaseRig, link: LinkLimit, lives: dict, dcp_run: DcpRun) -> list[Measure]:
+    """In order: the link limit (and the copy limit beside shared memory), the engine modes, the live API, DCP
+    (every one but the limits verified)."""
     measures = [Measure("link", link.run_once)]
-    for m in ENGINE_MODES:  # on the same shards and buffers
-        eng = rig.engines[m]
-        measures.append(Measure(m, lambda eng=eng: (eng.run_reshard(), eng.run_broadcast()), prepare=rig.warm,
-                                check=rig.wrong))
-    # the live API: a `Refit` over the same shards, called as a trainer calls it after each step
+    if rig.carrier is not None:
+        measures.append(Measure("copy", link.copy_test().run_once))
     man = rig.src_l.manifest.tensors
     live_tensors = {man[t].name: sh.data for t, sh in (*rig.src_shards.items(), *rig.dst_shards.items())}
-    measures.append(Measure("live", lambda: live(live_tensors), prepare=rig.warm, check=rig.wrong))
+    for m in rig.modes:  # on the same shards and buffers
+        if m in rig.engines:
+            eng = rig.engines[m]
+            measures.append(Measure(m, lambda eng=eng: (eng.run_reshard(), eng.run_broadcast()), prepare=rig.warm,
+                                    check=rig.wrong))
+        elif m in lives:  # the live API: a `Refit` over the same shards, called as a trainer calls it after a step
+            measures.append(Measure(m, lambda live=lives[m]: live(live_tensors), prepare=rig.warm, check=rig.wrong))
     # torch.distributed.checkpoint: save in the source layout, load in the destination layout
     measures.append(Measure("dcp", dcp_run.run, prepare=lambda: (dcp_run.prepare(), _touch(rig.src_shards.values())),
                             check=dcp_run.check))
@@ -192,17 +224,18 @@ class CaseFigures:
     link_bytes: int  # the link limit's bytes, every rank's sum
 
     @classmethod
-    def gather(cls, measures: list[Measure], rig: CaseRig, live: Refit, dcp_run: DcpRun,
+    def gather(cls, measures: list[Measure], rig: CaseRig, lives: dict, dcp_run: DcpRun,
                link: LinkLimit) -> "CaseFigures":
         """Collective: every rank, the same measurements."""
         times = pipeline.slowest(measures)
         cpu = torch.tensor([m.cpu for m in measures], dtype=torch.float64)
         dist.all_reduce(cpu, op=dist.ReduceOp.SUM)  # per run: every process of the job
-        checked = [m for m in measures if m.name != "link"]
+        checked = [m for m in measures if m.name not in ("link", "copy")]
         wrong = torch.tensor([m.wrong for m in checked], dtype=torch.int64)
         dist.all_reduce(wrong, op=dist.ReduceOp.SUM)  # per run: wrong elements over all ranks
-        staging = {m: launcher.allreduce_int(rig.engines[m].peak_staging_bytes) for m in ENGINE_MODES}
-        staging["live"] = launcher.allreduce_int(live.engine.peak_staging_bytes if live.engine else 0)
+        staging = {m: launcher.allreduce_int(eng.peak_staging_bytes) for m, eng in rig.engines.items()}
+        for m, live in lives.items():
+            staging[m] = launcher.allreduce_int(live.engine.peak_staging_bytes if live.engine else 0)
         dcp_doc = dcp_run.figures()
         link_bytes = link.total_bytes()
         return cls(times={m.name: times[i] for i, m in enumerate(measures)},
@@ -227,17 +260,20 @@ def _case_doc(rig: CaseRig, fig: CaseFigures) -> dict:
         "link_wire_gbps": fig.link_bytes / t_link / 1e9 if t_link else 0.0,
         "modes": _mode_docs(rig, fig, nbytes),
     }
+    if "copy" in fig.times:
+        t_copy = _median(fig.times["copy"])
+        doc.update(copy_limit_seconds=t_copy, copy_limit_gbps=nbytes / t_copy / 1e9 if t_copy else 0.0)
     return report.add_ratios(doc)
 
 
 def _mode_docs(rig: CaseRig, fig: CaseFigures, nbytes: int) -> dict[str, dict]:
     modes: dict[str, dict] = {}
-    for m in MODES:
+    for m in rig.modes:
         sec = _median(fig.times[m])
         modes[m] = {"seconds": sec, "times": fig.times[m], "gbps": nbytes / sec / 1e9 if sec else 0.0,
                     "cpu_seconds": _median(fig.cpu[m]), "wrong": fig.wrong[m]}
-        if m in ENGINE_MODES or m == "live":
-            plan = rig.plans[m if m in ENGINE_MODES else LIVE_MODE]
+        if m in fig.staging:
+            plan = rig.plans[base_mode(m) if base_mode(m) in ENGINE_MODES else LIVE_MODE]
             modes[m].update(wire_bytes=plan.stats()["wire_bytes"], peak_staging_bytes=fig.staging[m])
         else:
             modes[m].update(fig.dcp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from reshard_cli.bench.suite import MODES, BenchOptions
+from reshard_cli.bench.suite import SHM, BenchOptions, base_mode, modes_of
 from reshard_cli.errors import ConfigError, RuntimeFailure
 from reshard_cli.base.text import fmt_bytes, table, write_json
 
@@ -33,7 +33,16 @@ def add_ratios(case: dict) -> dict:
         v["vs_broadcast"] = over("broadcast", m)
         v["vs_dcp"] = over("dcp", m)
         v["of_link"] = v["gbps"] / link if link and v.get("gbps") else None
+        if m.endswith(SHM):  # over shared memory: the same mode over the backend's time / this time
+            v["vs_backend"] = over(base_mode(m), m)
+            copy = case.get("copy_limit_gbps")
+            v["of_copy"] = v["gbps"] / copy if copy and v.get("gbps") else None
     return case
+
+
+def ordered(modes) -> list[str]:
+    """The modes of `modes` (names) in the report's order: MODES, each twin over shared memory beside it."""
+    return [m for m in modes_of("shm") if m in modes]
 
 
 def _x(r: float | None) -> str:
@@ -51,10 +60,12 @@ def case_table(case: dict) -> str:
             f"bucket {fmt_bytes(case['bucket_bytes'])}")
     rows = [["link limit", ms(case["link_limit_seconds"]), _cpu(case.get("link_limit_cpu_seconds")),
              f"{case['link_limit_gbps']:.2f}", fmt_bytes(case["link_bytes"]), "-", "-", "-", "-", "100 %"]]
-    for m in MODES:
-        v = case["modes"].get(m)
-        if v is None:
-            continue
+    if case.get("copy_limit_seconds"):
+        rows.append(["copy limit", ms(case["copy_limit_seconds"]), "-", f"{case['copy_limit_gbps']:.2f}", "-", "-",
+                     "-", "-", "-", _pct(case["copy_limit_gbps"] / case["link_limit_gbps"])
+                     if case.get("link_limit_gbps") else "-"])
+    for m in ordered(case["modes"]):
+        v = case["modes"][m]
         rows.append([m, ms(v["seconds"]), _cpu(v.get("cpu_seconds")), f"{v['gbps']:.2f}", fmt_bytes(v["wire_bytes"]),
                      fmt_bytes(v["peak_staging_bytes"]) + ("*" if m == "dcp" else ""), v["wrong"],
                      _x(v.get("vs_broadcast")), _x(v.get("vs_dcp")), _pct(v.get("of_link"))])
@@ -67,8 +78,9 @@ def _cpu(seconds: float | None) -> str:
 
 
 def present(items: list[dict]) -> list[str]:
-    """The modes every case or sweep point has, in MODES order (a JSON written by another version may lack some)."""
-    return [m for m in MODES if all(m in x["modes"] for x in items)]
+    """The modes every case or sweep point has, in the report's order (a JSON written by another version may lack
+    some)."""
+    return [m for m in ordered(items[0]["modes"]) if all(m in x["modes"] for x in items)] if items else []
 
 
 def sweep_table(points: list[dict]) -> str:
@@ -89,7 +101,9 @@ def plan_table(rows: list[dict]) -> str:
 
 
 def report_text(doc: dict) -> str:
-    lines = [f"reshard bench: suite {doc['suite']}  backend {doc['backend']}  device {doc['device']}  "
+    lines = [f"reshard bench: suite {doc['suite']}  backend {doc['backend']}"
+             f"{'  transports ' + ' + '.join(doc['transports']) if len(doc.get('transports', ())) > 1 else ''}"
+             f"  device {doc['device']}  "
              f"world {doc['world']}  iters {doc['iters']} (median after 1 warm-up; each run between barriers, "
              f"slowest rank)"]
     for case in doc["cases"]:
@@ -100,6 +114,13 @@ def report_text(doc: dict) -> str:
               "concurrent isend/irecv). vs bcast / vs dcp: their time / this time. of link: this GB/s / link GB/s.",
               "  wire: plan network bytes (dcp: bytes written + read). staging: Engine.peak_staging_bytes per rank; "
               f"* dcp: {'; '.join(sorted(k for k in dcp_kinds if k))}."]
+    first = doc["cases"][0] if doc["cases"] else {"modes": {}}
+    shm = [m for m in ordered(first["modes"]) if m.endswith(SHM)]
+    if shm:
+        lines.append("  @shm: the same mode over shared memory between the ranks of this host (--transport shm); copy "
+                     "limit: every rank copies the bytes it sends and receives once each, all at once. Over shared "
+                     f"memory vs the backend ({first['name']}: its time / this time): "
+                     + ", ".join(f"{m} {_x(first['modes'][m].get('vs_backend'))}" for m in shm) + ".")
     cores = {c.get("cores") for c in doc["cases"]} - {None}
     if cores:
         lines.append(f"  CPU ms: CPU time of every process of the job per run (all threads, user + sys; median): on "

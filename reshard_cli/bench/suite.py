@@ -20,6 +20,26 @@ from reshard_cli.transfer.launcher import JobOptions
 
 MODES = ("auto", "reshard", "hybrid", "broadcast", "live", "dcp")  # every case is timed in each, after the link limit
 ENGINE_MODES = ("auto", "reshard", "hybrid", "broadcast")
+SHM = "@shm"  # a mode's name over the shared-memory transport (`--transport shm`): "reshard@shm"
+CARRIED_MODES = (*ENGINE_MODES, "live")  # the modes `--transport shm` also times over shared memory
+
+
+def modes_of(transport: str) -> tuple:
+    """Every mode a case is timed in: MODES, each of CARRIED_MODES followed by its twin over shared memory when
+    `transport` is shm (side by side)."""
+    out = []
+    for m in MODES:
+        out.append(m)
+        if transport == "shm" and m in CARRIED_MODES:
+            out.append(m + SHM)
+    return tuple(out)
+
+
+def base_mode(mode: str) -> str:
+    """"reshard@shm" -> "reshard"."""
+    return mode.removesuffix(SHM)
+
+
 LIVE_MODE = "auto"  # the plan the live API (`Refit`) runs in bench: its default
 CASE_KEYS = ("name", "src", "dst", "scale", "bucket_mb", "topology", "reshard_match")
 SUITE_KEYS = ("name", "description", "cases", "sweep")

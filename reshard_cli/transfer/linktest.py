@@ -41,3 +41,21 @@ class LinkTest:
                 works.append(dist.isend(self._sbuf[:k], d) if s == self.rank else dist.irecv(self._rbuf[:k], s))
         for w in works:
             w.wait()
+
+
+class CopyTest:
+    """The copy limit of a memory transport for the same traffic: every rank copies the bytes it sends once and
+    the bytes it receives once (a sender's pack and a receiver's take), in chunks of at most `CHUNK` bytes
+    between two scratch buffers, all ranks at once. A transport through memory that copies each byte at both
+    ends cannot beat it. Collective like `LinkTest`: every rank calls `run_once` together."""
+
+    def __init__(self, link: LinkTest, device: torch.device):
+        self.nbytes = sum(n for _pair, n in link.messages)  # sent and received by this rank
+        largest = min(self.nbytes, CHUNK)
+        self._a = torch.ones(largest, dtype=torch.uint8, device=device)  # touched: no page fault is timed
+        self._b = torch.zeros(largest, dtype=torch.uint8, device=device)
+
+    def run_once(self) -> None:
+        for off in range(0, self.nbytes, CHUNK):
+            k = min(CHUNK, self.nbytes - off)
+            self._b[:k].copy_(self._a[:k])

@@ -32,7 +32,7 @@ from reshard_cli.plan.schedule import TransferOptions
 from reshard_cli.transfer import launcher
 from reshard_cli.transfer.comm import WORLD
 from reshard_cli.transfer.engine import Engine
-from reshard_cli.transfer.linktest import LinkTest
+from reshard_cli.transfer.linktest import CopyTest, LinkTest
 from reshard_cli.transfer.shards import LocalShard, read_source_shards, sentinel_buffers
 
 EXPECTED_CACHE_BYTES = 2 << 30  # bench keeps expected destination values between modes up to this much per rank
@@ -116,6 +116,10 @@ class LinkLimit:
 
     def run_once(self) -> None:
         self.test.run_once()
+
+    def copy_test(self) -> CopyTest:
+        """The same traffic's copy limit through memory (`CopyTest`)."""
+        return CopyTest(self.test, self.device)
 
     def total_bytes(self) -> int:
         """Collective: the bytes every rank sends, summed."""

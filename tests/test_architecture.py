@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plan", ("reshard_cli.plan",)),
     ("hw", ("reshard_cli.hw",)),
     ("io", ("reshard_cli.io",)),
+    ("codecs", ("reshard_cli.codecs",)),
     ("transfer", ("reshard_cli.transfer",)),
     ("engines", ("reshard_cli.engines",)),
     ("bench", ("reshard_cli.bench",)),

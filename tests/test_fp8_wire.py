@@ -69,6 +69,7 @@ def _shards(rank, plan, ref):
     """This rank's source shards of the reference tensors, and its destination buffers, every byte a sentinel
     (a block-FP8 weight's FP8 storage and scales too)."""
     from reshard_cli.base.blocks import blocks_of
+    from reshard_cli.codecs.fp8 import FP8Landing
     from reshard_cli.transfer.shards import LocalShard
 
     src_shards, dst_shards = {}, {}
@@ -80,11 +81,11 @@ def _shards(rank, plan, ref):
             box = plan.dst.placements[t].box_of(spec.shape, rank)
             data = torch.empty(box.sizes, dtype=ref[t].dtype)
             data.view(torch.uint8).fill_(SENTINEL)
-            fp8 = scale = None
+            stored = None
             if t in plan.wire.quantized:
-                fp8 = torch.full(box.sizes, SENTINEL, dtype=torch.uint8).view(torch.float8_e4m3fn)
-                scale = torch.full(blocks_of(box.sizes), -1.0)
-            dst_shards[t] = LocalShard(box, data, fp8, scale)
+                stored = FP8Landing(torch.full(box.sizes, SENTINEL, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                                    torch.full(blocks_of(box.sizes), -1.0), data)
+            dst_shards[t] = LocalShard(box, data, stored)
     return src_shards, dst_shards
 
 
@@ -108,18 +109,18 @@ def _refit(rank, world, src_path, dst_path, cases, bucket_bytes):
         engine.setup_groups()
         engine.run_reshard()
         engine.run_broadcast()
-        quantized_here = engine.quantize_received()
+        quantized_here = engine.finish_received()
         _actual, bad, _ = verify.mismatched_checksums(plan, rank, src_shards, dst_shards)
         held = {}
         for t, sh in dst_shards.items():
-            if sh.fp8 is not None:
-                held[man[t].name] = (sh.box.offsets, sh.fp8.view(torch.uint8).numpy().copy(), sh.scale.numpy().copy())
+            if sh.stored is not None:
+                held[man[t].name] = (sh.box.offsets, sh.stored.fp8.view(torch.uint8).numpy().copy(), sh.stored.scale.numpy().copy())
             else:  # numpy arrays: a tensor would travel as a handle into this process's memory
                 held[man[t].name] = (sh.box.offsets, sh.data.view(torch.uint8).numpy().copy(), None)
         corrupted = None
         if rank == world - 1:  # one FP8 byte flipped: the checksums must say so
             t = next(t for t in dst_shards if t in wire.quantized)
-            dst_shards[t].fp8.view(torch.uint8).view(-1)[5] ^= 1
+            dst_shards[t].stored.fp8.view(torch.uint8).view(-1)[5] ^= 1
             corrupted = man[t].name
         _a, bad_after, _ = verify.mismatched_checksums(plan, rank, src_shards, dst_shards)
         fp8_items = sum(1 for op in engine.ops if not op.send for t, b, _ in op.items if wire.fp8(t, b))
@@ -216,10 +217,10 @@ def _corrupted(rank, world, src_path, dst_path):
     engine = Engine(plan, rank, src_shards, dst_shards)
     engine.setup_groups()
     engine.run_reshard()
-    quantized_here = engine.quantize_received()
+    quantized_here = engine.finish_received()
     out = {"quantized_here": quantized_here, "cut": sorted(man[t].name for t in plan.wire.cut),
-           "held": {man[t].name: (sh.box.offsets, sh.fp8.view(torch.uint8).numpy().copy(), sh.scale.numpy().copy())
-                    for t, sh in dst_shards.items() if sh.fp8 is not None}}
+           "held": {man[t].name: (sh.box.offsets, sh.stored.fp8.view(torch.uint8).numpy().copy(), sh.stored.scale.numpy().copy())
+                    for t, sh in dst_shards.items() if sh.stored is not None}}
     out["bad"] = [man[t].name for t in verify.mismatched_checksums(plan, rank, src_shards, dst_shards)[1]]
     mine = [t for t in sorted(dst_shards) if t in plan.wire.cut]
     for fault in ("fp8 byte", "quantization", "bf16 byte"):
@@ -229,14 +230,14 @@ def _corrupted(rank, world, src_path, dst_path):
             sh = dst_shards[t]
             block = _cut_block(plan, t, sh.box)
             at = block.local_slices(sh.box)
-            kept = (sh.fp8.clone(), sh.scale.clone(), sh.data.clone())
-            undo = lambda sh=sh, kept=kept: (sh.fp8.copy_(kept[0]), sh.scale.copy_(kept[1]), sh.data.copy_(kept[2]))
+            kept = (sh.stored.fp8.clone(), sh.stored.scale.clone(), sh.data.clone())
+            undo = lambda sh=sh, kept=kept: (sh.stored.fp8.copy_(kept[0]), sh.stored.scale.copy_(kept[1]), sh.data.copy_(kept[2]))
             if fault == "fp8 byte":
-                sh.fp8[at].view(torch.uint8)[1, 2] ^= 1
+                sh.stored.fp8[at].view(torch.uint8)[1, 2] ^= 1
             elif fault == "quantization":
                 amax = 2 * sh.data[at].float().abs().amax().reshape(1, 1)
-                sh.fp8[at].copy_(quantize_part(sh.data[at], block.offsets, amax))
-                sh.scale[block.offsets[0] // 128 - sh.box.offsets[0] // 128,
+                sh.stored.fp8[at].copy_(quantize_part(sh.data[at], block.offsets, amax))
+                sh.stored.scale[block.offsets[0] // 128 - sh.box.offsets[0] // 128,
                          block.offsets[1] // 128 - sh.box.offsets[1] // 128] = block_scales(amax)[0, 0]
             else:
                 sh.data[at].view(torch.int16)[1, 2] ^= 1
@@ -286,7 +287,7 @@ def _staged(rank, world, src_path, dst_path):
     from reshard_cli.base.blocks import blocks_of
     from reshard_cli.formats import load_pair
     from reshard_cli.transfer.live import Refit, Stage
-    from reshard_cli.transfer.shards import FP8Landing
+    from reshard_cli.codecs.fp8 import FP8Landing
 
     src, dst = load_pair(src_path, dst_path)
     man = src.manifest.tensors

@@ -72,7 +72,7 @@ class Engine:
     def open_and_prepare(self, group, new: dict) -> None:
         """What a refit of `new` (BF16, the trainer's weights) does to the group before its commit."""
         from reshard_cli.base.fp8 import quantize_region
-        from reshard_cli.transfer.shards import FP8Landing
+        from reshard_cli.codecs.fp8 import FP8Landing
 
         names = [t.name for t in self.layout.manifest.tensors]
         buffers = self.target.open(group, self.layout.subset(group.tensors))

@@ -100,7 +100,7 @@ def test_engine_target_refits_fp8_storage_like_vllms_load(tmp_path, arch):
     from reshard_cli.base.fp8 import quantize_region
     from reshard_cli.engines.vllm.target import EngineTarget
     from reshard_cli.formats import load_layout
-    from reshard_cli.transfer.shards import FP8Landing
+    from reshard_cli.codecs.fp8 import FP8Landing
     from reshard_cli.plan.groups import layer_groups
 
     config = ARCHS[arch]

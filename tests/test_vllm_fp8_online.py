@@ -99,7 +99,7 @@ def _refit(target, layout, weights: dict) -> int:
     from reshard_cli.base.fp8 import quantize_region
     from reshard_cli.layouts.quant import amax_names
     from reshard_cli.plan.groups import layer_groups
-    from reshard_cli.transfer.shards import FP8Landing
+    from reshard_cli.codecs.fp8 import FP8Landing
 
     names = [t.name for t in layout.manifest.tensors]
     groups = layer_groups(layout, 1)

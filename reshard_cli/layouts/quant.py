@@ -92,6 +92,11 @@ class Quantization:
     def scale_bytes(self, shape: tuple) -> int:
         return SCALE_BYTES * math.prod(self.scale_shape(shape))
 
+    @property
+    def format_name(self) -> str:
+        """What the engine stores, in a user's words ("FP8")."""
+        return "FP8"
+
     def describe(self) -> str:
         grid = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "one scale per tensor"
         if self.method == "fp8_per_block":

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from reshard_cli.codecs import codec_for
 from reshard_cli.plan import schedule
 from reshard_cli.base.geometry import Box
 from reshard_cli.plan.planner import Bcast, Plan
@@ -47,6 +48,7 @@ class Engine:
         self._item = [s.itemsize for s in man]
         self._dtype = [getattr(torch, s.dtype) for s in man]
         self.wire = self.plan.wire
+        self.codec = codec_for(self.plan)  # what each item carries and how it lands (`codecs`)
         self.view = self.plan.rank_view(self.rank)
         self.ops = schedule.rank_ops(self.plan, self.rank, self.options, self.view.pieces)
         self.packs = schedule.packs(self.plan, self.options, self.rank)
@@ -90,54 +92,22 @@ class Engine:
         n = box.numel * self._item[t]
         return buf[off:off + n].view(self._dtype[t]).view(box.sizes)
 
-    def _fp8_slot(self, buf: torch.Tensor, box: Box, off: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A quantized item's place in a message: its FP8 bytes, then its scales (`plan.fp8.Wire`)."""
-        from reshard_cli.base.fp8 import FP8, blocks_of
-
-        at, sshape = off + self.wire.scale_at(box), blocks_of(box.sizes, self.wire.block)
-        n = 1
-        for x in sshape:
-            n *= x
-        return (buf[off:off + box.numel].view(FP8).view(box.sizes),
-                buf[at:at + 4 * n].view(torch.float32).view(sshape))
-
-    def _dst_fp8(self, t: int, box: Box) -> tuple[torch.Tensor, torch.Tensor]:
-        """The engine's FP8 storage of `box` (whole blocks) and of its scales, on this destination rank."""
-        v = self._views.get((2, t, box))
-        if v is None:
-            sh = self.dst_shards[t]
-            if sh.fp8 is None:
-                raise RuntimeError(f"{self.plan.src.manifest.tensors[t].name} arrives quantized but destination "
-                                   f"rank {self.rank} has no FP8 storage for it")
-            v = self._views[(2, t, box)] = sh.read_fp8(box, self.wire.block)
-        return v
-
     def _pack(self, buf: torch.Tensor, op, t: int, box: Box, off: int) -> None:
         """Copy an item into its place in an outgoing message: a forward from what landed here, a phase-0 send
-        from the source (quantized here when the item is whole blocks of an FP8 engine's weight)."""
-        if not self.wire.fp8(t, box):
+        from the source (encoded here when the plan's codec says the item travels encoded)."""
+        if not self.codec.encoded(t, box):
             read = self._dst_view if op.after is not None else self._src_view
             self._slot(buf, t, box, off).copy_(read(t, box))
-            return
-        q, s = self._fp8_slot(buf, box, off)
-        if op.after is not None:
-            dq, ds = self._dst_fp8(t, box)
-            q.copy_(dq)
-            s.copy_(ds)
-            return
-        from reshard_cli.base.fp8 import quantize_region
-
-        quantize_region(self._src_view(t, box), box.offsets, self.plan.src.manifest.tensors[t].shape,
-                        self.wire.block, out=(q, s))
+        elif op.after is not None:
+            self.codec.forward(buf, off, t, box, self.dst_shards[t])
+        else:
+            self.codec.encode(buf, off, t, box, self._src_view(t, box))
 
     def _unpack(self, buf: torch.Tensor, t: int, box: Box, off: int) -> None:
-        if not self.wire.fp8(t, box):
+        if not self.codec.encoded(t, box):
             self._dst_view(t, box).copy_(self._slot(buf, t, box, off))
-            return
-        q, s = self._fp8_slot(buf, box, off)
-        dq, ds = self._dst_fp8(t, box)
-        dq.copy_(q)
-        ds.copy_(s)
+        else:
+            self.codec.land(buf, off, t, box, self.dst_shards.get(t))
 
     def _src_view(self, t: int, box: Box) -> torch.Tensor:
         sh = self.src_shards[t]
@@ -175,7 +145,7 @@ class Engine:
         if len(op.items) != 1:
             return None
         t, box, _ = op.items[0]
-        if self.wire.fp8(t, box):  # quantized on the way: always through a message buffer
+        if self.codec.encoded(t, box):  # encoded on the way: always through a message buffer
             return None
         if op.send and self.comm.one_sided:  # its receiver reads the staging: packed there, one copy as any
             return None
@@ -250,46 +220,17 @@ class Engine:
             if self.progress:
                 self.progress(payload)
 
-    # -------------------------------------------------------------------------------- FP8 destination
+    # ------------------------------------------------------------------------------ after the messages
 
-    def quantize_received(self) -> int:
-        """A block-FP8 destination, once every message landed: quantize the blocks that arrived unquantized
-        (those a source shard boundary cuts, and every block of a broadcast tensor) from the source dtype into
-        the engine's FP8 storage. Returns the elements quantized here."""
-        if not self.wire.quantized or self.rank not in self.plan.dst.ranks:
+    def finish_received(self) -> int:
+        """Once every message landed here: what the plan's codec does with complete boxes only (into a quantized
+        engine: the blocks that arrived in the source's dtype, converted into its storage). Returns the elements
+        converted here."""
+        if not self.codec.converts or self.rank not in self.plan.dst.ranks:
             return 0
-        from reshard_cli.base.fp8 import quantize_region
-
-        regions: dict[int, set] = {}  # tensor -> block-grid boxes to quantize here
-        for op in self.ops:
-            if not op.send:
-                for t, box, _off in op.items:
-                    if t in self.wire.quantized and not self.wire.fp8(t, box):
-                        regions.setdefault(t, set()).add(self._hull(t, box))
-        for pack in self.packs:
-            for bc, _off in pack.tensors:
-                sh = self.dst_shards.get(bc.tensor)
-                if bc.tensor in self.wire.quantized and sh is not None and sh.box.numel:
-                    regions.setdefault(bc.tensor, set()).add(sh.box)
-        done = 0
-        for t, boxes in regions.items():  # hulls of two rims may share a corner block: quantized alike twice
-            shape = self.plan.src.manifest.tensors[t].shape
-            for box in sorted(boxes):
-                q, scale = quantize_region(self._dst_view(t, box), box.offsets, shape, self.wire.block)
-                dq, ds = self._dst_fp8(t, box)
-                dq.copy_(q)
-                ds.copy_(scale)
-                done += box.numel
-        return done
-
-    def _hull(self, t: int, box: Box) -> Box:
-        """The blocks `box` touches (every one of them arrived unquantized: see `plan.fp8.Wire`)."""
-        shape = self.plan.src.manifest.tensors[t].shape
-        offs, sizes = list(box.offsets), list(box.sizes)
-        for d, b in zip((len(shape) - 2, len(shape) - 1), self.wire.block):
-            lo, hi = offs[d] // b * b, min(-(-(offs[d] + sizes[d]) // b) * b, shape[d])
-            offs[d], sizes[d] = lo, hi - lo
-        return Box(tuple(offs), tuple(sizes))
+        received = [(t, box) for op in self.ops if not op.send for t, box, _off in op.items]
+        whole = [bc.tensor for pack in self.packs for bc, _off in pack.tensors]
+        return self.codec.finish(received, whole, self.dst_shards)
 
     # ---------------------------------------------------------------------------------- broadcast path
 

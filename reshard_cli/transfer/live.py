@@ -30,7 +30,6 @@ from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.layouts.layout import Layout, Mesh, Placement
 from reshard_cli import formats
 from reshard_cli.base import checksums
-from reshard_cli.base.blocks import blocks_of
 from reshard_cli.formats import load_layout, load_pair
 from reshard_cli.layouts.models import Manifest, TensorSpec
 from reshard_cli.layouts.quant import amax_names
@@ -42,10 +41,11 @@ from reshard_cli.transfer import verify
 from reshard_cli.transfer.agree import gather_failures, one_line
 from reshard_cli.transfer.comm import STALL, WORLD, GroupComm, WorldComm, world_guard
 from reshard_cli.transfer.shm import checked_transport, with_transport
+from reshard_cli.codecs import Codec, codec_for
 from reshard_cli.transfer.watchdog import GroupBroken
 from reshard_cli.transfer.engine import Engine
 from reshard_cli.transfer.pipeline import build_engine, ready_plan, transfer_options
-from reshard_cli.transfer.shards import FP8Landing, LocalShard
+from reshard_cli.transfer.shards import LocalShard
 
 
 @dataclass
@@ -70,13 +70,14 @@ class Stage:
     into its own format and release the staging before the next group arrives."""
 
     def open(self, group: Group, layout: Layout) -> Mapping[str, torch.Tensor]:
-        """Buffers for the group's tensors (`layout` holds only them), keyed by checkpoint name; a block-FP8
-        engine's quantized weights as `FP8Landing`s (its storage, where the refit writes FP8 bytes and scales)."""
+        """Buffers for the group's tensors (`layout` holds only them), keyed by checkpoint name; the weights a
+        quantized engine stores in its own form as its codec's landings (`codecs`: its storage, where the refit
+        writes what travels encoded)."""
         raise NotImplementedError
 
     def local_max(self, group: Group, names: list[str]) -> Mapping[str, float]:
         """Before `prepare`, where the destination layout asks for it (`layouts.quant.amax_names`: an engine
-        whose processing needs a value reduced over all shards of a tensor, a per-tensor FP8 scale's max |x|):
+        whose processing needs a value reduced over all shards of a tensor, a per-tensor scale's max |x|):
         this rank's value of each of `names` (absent: none here). The refit takes the maximum over every rank
         of its group, under its watchdog, and hands it to `reduced`, so the engine needs no collective of its
         own while a peer may already have failed. May fail (agreed like `prepare`)."""
@@ -456,8 +457,9 @@ class Refit:
                     raise ConfigError(f"rank {self.rank} holds {spec.name!r} in the {role} layout but did not pass it",
                                       key=spec.name)
                 given = tensors[spec.name]
-                if role == "dst" and t in part.plan.wire.quantized:
-                    out[t] = _fp8_shard(self.rank, spec, box, given, part.plan, t)
+                codec = codec_for(part.plan)
+                if role == "dst" and codec.stores(t):
+                    out[t] = LocalShard(box, *codec.shard(self.rank, t, box, given))
                     continue
                 local = _local(given)
                 if tuple(local.shape) != box.sizes or str(local.dtype).removeprefix("torch.") != spec.dtype:
@@ -476,7 +478,7 @@ class Refit:
         eng.bytes_sent = eng.bytes_received = 0  # this refit's, not a running total
         eng.run_reshard()
         eng.run_broadcast()
-        eng.quantize_received()  # a block-FP8 engine: the blocks that arrived unquantized
+        eng.finish_received()  # a quantized engine: the blocks that arrived in the source's dtype
         self.comm.synchronize(eng.device, what="the transfer")  # CUDA: polled under the watchdog
 
     def _verify(self, part: _Part) -> bool:
@@ -633,34 +635,9 @@ def _storage_of(tensors: Mapping[str, torch.Tensor]) -> tuple:
     of the same memory with the same shapes, strides and dtypes."""
     out = []
     for name, x in tensors.items():
-        for y in ((x.fp8, x.scale) + ((x.data,) if x.data is not None else ()) if isinstance(x, FP8Landing)
-                  else (_local(x),)):
+        for y in Codec.buffers(x) if hasattr(x, "buffers") else (_local(x),):
             out.append((name, y.data_ptr(), tuple(y.shape), y.stride(), y.dtype, y.device))
     return tuple(out)
-
-
-def _fp8_shard(rank: int, spec: TensorSpec, box, given, plan, t: int) -> LocalShard:
-    """A block-FP8 engine's weight: an `FP8Landing` (its storage, and a buffer for what arrives unquantized,
-    allocated here when the landing has none and the plan sends the box such items)."""
-    if not isinstance(given, FP8Landing):
-        raise ConfigError(f"rank {rank}: {spec.name} is block-FP8 in the destination layout (engine.quantization): "
-                          "pass its engine storage as an FP8Landing, as an engine's Stage.open does", key=spec.name)
-    data = given.data
-    if data is None:
-        need = plan.wire.unquantized_into(plan, t, box)
-        data = torch.empty(box.sizes if need else (0,) * len(box.sizes), dtype=getattr(torch, spec.dtype),
-                           device=given.fp8.device)
-        given.held.append(data)
-    want = ((box.sizes, "float8_e4m3fn"), (blocks_of(box.sizes, plan.wire.block), "float32"))
-    for what, x, (shape, dtype) in zip(("FP8 storage", "scales"), (given.fp8, given.scale), want):
-        if tuple(x.shape) != tuple(shape) or str(x.dtype).removeprefix("torch.") != dtype:
-            raise ConfigError(f"rank {rank}: {spec.name}: the {what} is {list(x.shape)} {x.dtype}, the destination "
-                              f"layout expects {list(shape)} {dtype}", key=spec.name)
-    if data.numel() and (tuple(data.shape) != box.sizes or not data.is_contiguous()
-                         or str(data.dtype).removeprefix("torch.") != spec.dtype):
-        raise ConfigError(f"rank {rank}: {spec.name}: the buffer is {list(data.shape)} {data.dtype}, the destination "
-                          f"layout expects {list(box.sizes)} {spec.dtype}, contiguous", key=spec.name)
-    return LocalShard(box, data, given.fp8, given.scale)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -131,8 +131,9 @@ def worker(opts: RunOptions, push: Callable | None = None) -> RunReport | None:
                              f"dst {dst_l.ranks[0]}-{dst_l.ranks[-1]}"
                              f"{' in the engine at ' + dst_l.engine_url if dst_l.engine_url else ''})")
         if dst_l.quantization is not None and not dst_l.engine_url:  # a running engine quantizes what lands
-            raise ConfigError(f"the destination is an FP8 engine ({dst_l.quantization.describe()}): reshard "
-                              f"refits it running (engine: {{url}}, or the vLLM backend); writing an FP8 "
+            q = dst_l.quantization
+            raise ConfigError(f"the destination is an {q.format_name} engine ({q.describe()}): reshard refits it "
+                              f"running (engine: {{url}}, or the vLLM backend); writing an {q.format_name} "
                               f"checkpoint to --out is not built yet", file=dst_l.file, key="engine.quantization")
         topo = load_topology(opts.topology) if opts.topology and not auto else NO_TOPOLOGY
         plan = pipeline.ready_plan(src_l, dst_l, topo, mode=opts.mode, reshard_match=opts.reshard_match,

@@ -5,7 +5,7 @@ exact comparison or the checksum: verification proves every byte arrived, not ju
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -19,42 +19,19 @@ SENTINEL_BYTE = 0xA5  # destination buffers start as this pattern: a region neve
 @dataclass
 class LocalShard:
     """A rank's local shard of one tensor: the global box it covers and its data (a view, never a copy; a
-    source may be `Fragments`). A block-FP8 engine's weight (`FP8Landing`) also has `fp8` and `scale`, its
-    storage: quantized items land there, `data` takes the ones that arrive in the source's dtype."""
+    source may be `Fragments`). Where the plan's codec stores its own form at a destination (a quantized
+    engine's weight), `stored` is that storage (the codec's landing, `codecs`): items that travel encoded land
+    there, `data` takes the ones that arrive in the source's dtype."""
 
     box: Box
     data: "torch.Tensor | Fragments"
-    fp8: torch.Tensor | None = None  # the box's FP8 bytes (float8_e4m3fn), engine storage
-    scale: torch.Tensor | None = None  # its blocks' float32 scales
+    stored: object = None  # the codec's storage of the box, or None
 
     def read(self, box: Box) -> torch.Tensor:
         """Global region `box` (inside this shard's box) of the data."""
         if isinstance(self.data, Fragments):
             return self.data.read(box)
         return self.data[box.local_slices(self.box)]
-
-    def read_fp8(self, box: Box, block: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block-FP8 weight's storage of global region `box` (whole blocks, inside this shard's box, which is
-        on the block grid): its FP8 bytes and its scales."""
-        rel = box.relative_to(self.box)
-        blocks = tuple(slice(o // b, -(-(o + n) // b)) for o, n, b in zip(rel[-2:], box.sizes[-2:], block))
-        lead = tuple(slice(o, o + n) for o, n in zip(rel[:-2], box.sizes[:-2]))
-        return self.fp8[box.local_slices(self.box)], self.scale[lead + blocks]
-
-
-@dataclass(frozen=True)
-class FP8Landing:
-    """A destination buffer for one box of a block-FP8 engine's weight, as an engine's `Stage.open` hands it
-    out: the engine's FP8 storage of the box and of its scales, written in place (the whole blocks a sender
-    quantized land there, and the blocks completed here are quantized into them once the transfer is done).
-    Items that arrive unquantized (blocks a source shard cuts, broadcast tensors) need a buffer in the
-    source's dtype: `data`, or when None one the refit allocates only if the plan sends this box such items,
-    and appends to `held` (the engine's to count and drop)."""
-
-    fp8: torch.Tensor  # float8_e4m3fn, the box's shape
-    scale: torch.Tensor  # float32, `blocks_of(box)`
-    data: torch.Tensor | None = None  # the box, in the checkpoint's dtype
-    held: list = field(default_factory=list, compare=False)
 
 
 def read_source_shards(layout: Layout, rank: int, source, device: torch.device) -> dict[int, LocalShard]:

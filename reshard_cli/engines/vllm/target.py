@@ -14,7 +14,7 @@ from reshard_cli.engines.vllm.saved import Saved
 from reshard_cli.errors import ConfigError
 from reshard_cli.plan.groups import layer_groups
 from reshard_cli.transfer.live import Stage
-from reshard_cli.transfer.shards import FP8Landing
+from reshard_cli.codecs.fp8 import FP8Landing
 
 
 class EngineTarget(Stage):

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("hw", ("reshard_cli.hw",)),
     ("io", ("reshard_cli.io",)),
     ("transfer", ("reshard_cli.transfer",)),
+    ("fleet", ("reshard_cli.engines.fleet",)),  # engine-neutral: what every engine's room builds on
     ("engines", ("reshard_cli.engines",)),
     ("bench", ("reshard_cli.bench",)),
     ("cli", ("reshard_cli.report", "reshard_cli.cli", "reshard_cli.__main__", "reshard_cli")),

@@ -22,8 +22,9 @@ from reshard_cli.base import checksums
 from reshard_cli.engines.vllm import compat, full
 from reshard_cli.base.ports import free_port
 from reshard_cli.engines.vllm.clients import Call, control, fleet_layout
-from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
-                                                refit_topology)
+from reshard_cli.engines.fleet.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
+                                                 refit_topology)
+from reshard_cli.engines.vllm.plugin import ENGINE
 from reshard_cli.engines.vllm.info import ReshardTrainerInitInfo
 from reshard_cli.errors import ConfigError
 from reshard_cli.plan.fleet import fleet_figures, fleet_of
@@ -123,7 +124,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
                                      timeout=init_info.timeout, device=_device_of(tensors),
                                      abort=lambda: refused or next((f for f in (c.failure() for c in calls) if f),
                                                                    None),
-                                     names=rank_names(dst), stall=init_info.stall or None)
+                                     names=rank_names(dst, ENGINE), stall=init_info.stall or None)
         except BaseException:
             for call in calls:  # the workers' init ends with the group's failure (its store gone)
                 call.join(timeout=5, quiet=True)
@@ -457,7 +458,7 @@ class ReshardTrainerEngine(_api.TrainerWeightTransferEngine):
         if not failure.torn and len(set(failure.held.values())) <= 1:
             where = progress(failure.groups, len(failure.committed))
         else:
-            names, n = rank_names(self.dst), len(failure.groups)
+            names, n = rank_names(self.dst, ENGINE), len(failure.groups)
             held = [f"{names(r)}: {k}" + (f" and part of {failure.groups[k].label}" if r in failure.torn and k < n
                                           else "") for r, k in sorted(failure.held.items())]
             where = (f"the workers hold different groups of {n} ({', '.join(held)}); each engine's weight version "

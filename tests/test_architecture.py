@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("io", ("reshard_cli.io",)),
     ("codecs", ("reshard_cli.codecs",)),
     ("transfer", ("reshard_cli.transfer",)),
+    ("fleet", ("reshard_cli.engines.fleet",)),  # engine-neutral: what every engine's room builds on
     ("engines", ("reshard_cli.engines",)),
     ("bench", ("reshard_cli.bench",)),
     ("cli", ("reshard_cli.report", "reshard_cli.cli", "reshard_cli.__main__", "reshard_cli")),

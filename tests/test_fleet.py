@@ -63,7 +63,7 @@ def test_engine_urls(tmp_path):
 
 def test_clients_must_cover_the_layouts_replicas(tmp_path):
     pytest.importorskip("vllm", reason="the trainer engine needs vLLM")
-    from reshard_cli.engines.vllm.trainer import replica_bases
+    from reshard_cli.engines.fleet.replicas import replica_bases
 
     class Client:
         def __init__(self, replicas=None):

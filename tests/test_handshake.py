@@ -1,8 +1,8 @@
-"""The refit group's handshake (engines/vllm/handshake.py) without processes: a scripted peer."""
+"""The refit group's handshake (engines/fleet/handshake.py) without processes: a scripted peer."""
 import pytest
 
 from reshard_cli.errors import ConfigError
-from reshard_cli.engines.vllm.handshake import handshake
+from reshard_cli.engines.fleet.handshake import handshake
 
 
 class Peer:
@@ -51,7 +51,7 @@ def test_the_refit_topology_is_the_same_on_every_rank():
     CPU) exchanged in the handshake, ranks with equal keys in one domain."""
     import torch
 
-    from reshard_cli.engines.vllm.handshake import domain_key, refit_topology
+    from reshard_cli.engines.fleet.handshake import domain_key, refit_topology
     from reshard_cli.hw import nvml
     from reshard_cli.layouts.topology import NO_TOPOLOGY
 

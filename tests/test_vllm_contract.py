@@ -283,7 +283,8 @@ def test_a_joiner_is_labelled_with_the_weights_it_is_sent():
     before anything moves; before any update there is no version to keep."""
     import torch
 
-    from reshard_cli.engines.vllm.trainer import ReshardSource, ReshardTrainerEngine, _versions
+    from reshard_cli.engines.fleet.members import _versions
+    from reshard_cli.engines.vllm.trainer import ReshardSource, ReshardTrainerEngine
     from reshard_cli.errors import ConfigError
 
     weight = torch.zeros(3)

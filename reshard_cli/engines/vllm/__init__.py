@@ -13,19 +13,19 @@ its own `init_process_group`):
     report = engine.send_weights()          # after each optimizer step
 
 Every trainer rank and every vLLM worker meet in a refit group of their own (`transfer.comm.refit_group`: gloo
-on CPU, NCCL on GPUs; never vLLM's process group).
+on CPU, NCCL on GPUs; never vLLM's process group). What is not vLLM's (the handshake, a fleet's replicas and
+members) is in `engines.fleet`, shared with any other engine.
 
 Modules:
   compat       every touchpoint with vLLM's internals, and the vLLM versions checked
   plugin       the entry point: registers both engines in vLLM's factories
   info         the init / update info dataclasses
-  handshake    the layouts from the init info's text, and the agreement on the model before a byte moves
   worker       the worker engine (inside vLLM), over `target.EngineTarget` (where the bytes land)
   saved        what vLLM's processing of a module may replace, saved so an abort restores it exactly
-  trainer      the trainer engine and its weight source
+  trainer      the trainer engine and its weight source (the fleet's logic: `engines.fleet.members`)
   cpu_repairs  repairs of vLLM 0.32's update path (docs/upstream/ has each defect's reproduction)
   full         the full-tensor baseline (`path: full`)
-  clients      the control plane's clients, `check_engine`, `portable_layout`
+  clients      the control plane's clients, a fleet member (`VLLMMember`), `check_engine`, `portable_layout`
   push         `reshard run` into a running `vllm serve`
 
 The names below are importable from this package; the vLLM-dependent ones import their module (and vLLM) on

@@ -1,19 +1,18 @@
 """The trainer's side of vLLM's control plane: clients of the weight-transfer calls (an `LLM` in this process,
-vLLM's HTTP client of a running `vllm serve`), a blocking call run beside the transfer, and the checks and
-layout text `reshard run` needs before pushing into a server."""
+vLLM's HTTP client of a running `vllm serve`), a fleet member as the engine-neutral fleet reaches one
+(`VLLMMember`), and the checks and layout text `reshard run` needs before pushing into a server."""
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import yaml
 
+from reshard_cli.engines.fleet.client import Member
 from reshard_cli.engines.vllm import compat
 from reshard_cli.errors import ConfigError
-from reshard_cli.layouts.layout import replicated_doc
 from reshard_cli.plan.fleet import fleet_of
 
 
@@ -84,52 +83,45 @@ def http_client(url: str, timeout: float):
     return compat.http_client(url, timeout)
 
 
-class Call:
-    """A blocking control-plane call (vLLM's client) run on a thread beside this rank's transfer; `join`
-    re-raises its error."""
+class VLLMMember(Member):
+    """A vLLM engine of a fleet (`fleet.client.Member`) through any client of vLLM's protocol: its update
+    session through the client's own calls, the prefix cache and pausing through `control`."""
 
-    def __init__(self, fn, arg):
-        self.error = None
-
-        def run():
-            try:
-                fn(arg)
-            except BaseException as e:  # noqa: BLE001 - re-raised by join
-                self.error = e
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def failure(self) -> str | None:
-        """Why the call failed, once it has (polled while waiting for the peers it should have started)."""
-        if self.error is None:
-            return None
-        return f"the engine refused: {_one_line(self.error)}"
-
-    def join(self, timeout: float | None = None, *, quiet: bool = False) -> None:
-        """Wait for the call (at most `timeout` seconds: an engine that does not answer is named, not waited
-        on forever); re-raise its error unless `quiet`."""
-        self.thread.join(timeout)
-        if quiet:
-            return
-        if self.thread.is_alive():
-            raise RuntimeError(f"reshard: the engine did not answer within {timeout:.0f} s")
-        if self.error is not None:
-            raise RuntimeError(f"reshard: {self.failure()}") from self.error
-
-
-def _one_line(e: BaseException) -> str:
-    """An HTTP error with the server's own message, or the first line of any other error."""
-    response = getattr(e, "response", None)
-    if response is not None:
+    def start(self) -> None:
+        """vLLM's start_weight_update; one vLLM refuses (a session still open: an update a failure ended on
+        the trainer's side only) is finished first and started again."""
         try:
-            detail = response.json()
-            detail = detail.get("error") or detail.get("detail") or detail.get("message") or detail
-        except ValueError:
-            detail = response.text[:300]
-        return f"HTTP {response.status_code} from {response.url}: {detail}"
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+            self.client.start_weight_update()
+        except Exception:  # noqa: BLE001 - vLLM's RuntimeError, or an HTTP 500 carrying it
+            try:
+                self.client.finish_weight_update(None)
+            except Exception:  # noqa: BLE001 - none was open after all
+                pass
+            self.client.start_weight_update()
+
+    def finish(self, version: str | None, *, changed: bool) -> None:
+        """vLLM's finish_weight_update with its new weight version (None: unchanged), and what a changed model
+        needs: the prefix cache dropped (the KV of earlier prompts was computed with the old weights, and vLLM
+        does not drop it on a weight update). Every worker's session is open until here (the workers never end
+        it themselves); an engine that refuses the finish anyway gets the version on its own."""
+        try:
+            self.client.finish_weight_update(version)
+        except Exception:  # noqa: BLE001 - vLLM's RuntimeError, or an HTTP error carrying it
+            setter = getattr(self.client, "update_weight_version", None)
+            if version is not None and setter is not None:
+                setter(version)
+        if changed:  # the client's own method, or the server's route through vLLM's HTTP client's base_url
+            control(self.client, "reset_prefix_cache")
+
+    def pause(self) -> bool:
+        """vLLM's pause route, mode keep: requests stay queued."""
+        return control(self.client, "pause", "mode=keep")
+
+    def resume(self) -> None:
+        control(self.client, "resume")
+
+    def shutdown(self) -> None:
+        control(self.client, "shutdown_weight_transfer_engine")
 
 
 def check_engine(url: str, per_replica: int, timeout: float = 30.0) -> int:
@@ -171,16 +163,6 @@ def check_fleet(urls: tuple, dst, timeout: float = 30.0, *, require_all: bool = 
         raise ConfigError(f"the layout has {fleet.replicas} replica(s) (dp {fleet.replicas}), the engine(s) at "
                           f"{', '.join(urls)} run {up} ({shown})", key="engine.url")
     return counts, down
-
-
-def fleet_layout(text: str, urls: list | None, replicas: int) -> str:
-    """A fleet layout's YAML text (`portable_layout`) for its members only (`layouts.layout.replicated_doc`): the
-    `dp` of its mesh their replica count (added first where the layout has none: one replica), the replicas'
-    own parallelism unchanged, and with `urls` its `engine.url` the members' URLs."""
-    doc = yaml.safe_load(text)
-    if not isinstance(doc, dict):
-        raise ConfigError(f"expected a layout mapping, got {type(doc).__name__}", key="dst")
-    return yaml.safe_dump(replicated_doc(doc, replicas, file="dst", urls=urls), sort_keys=False)
 
 
 def _world_size(url: str, include_dp: str, timeout: float) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from reshard_cli.engines.vllm import compat
 
 BACKEND = "reshard"
+ENGINE = "vLLM"  # what the refit group's lines call the engine's ranks ("vLLM worker 1")
 
 
 def register() -> None:

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from reshard_cli.base import checksums
 from reshard_cli.base.ports import free_port
 from reshard_cli.base.text import fmt_bytes, table
-from reshard_cli.engines.vllm.clients import check_fleet, fleet_layout, http_client, portable_layout
-from reshard_cli.engines.vllm.handshake import layouts
+from reshard_cli.engines.fleet.handshake import layouts
+from reshard_cli.engines.fleet.replicas import fleet_layout
+from reshard_cli.engines.vllm.clients import check_fleet, http_client, portable_layout
 from reshard_cli.layouts import bundled
 from reshard_cli.plan.fp8 import fp8_figures
 from reshard_cli.plan.planner import Plan

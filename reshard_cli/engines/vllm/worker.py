@@ -38,9 +38,10 @@ import time
 
 import torch.distributed as dist
 
+from reshard_cli.engines.fleet.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
+                                                 refit_topology)
 from reshard_cli.engines.vllm import compat, cpu_repairs, full
-from reshard_cli.engines.vllm.handshake import (NUMBERS, digest, domain_key, handshake, layouts, rank_names,
-                                                refit_topology)
+from reshard_cli.engines.vllm.plugin import ENGINE
 from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
 from reshard_cli.plan.groups import stage_budget_mb
@@ -87,7 +88,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         try:
             group = refit_group(init_info.host, init_info.port, self.refit_rank, init_info.world_size,
                                 timeout=init_info.timeout, device=self.device,
-                                names=rank_names(dst), stall=init_info.stall or None)
+                                names=rank_names(dst, ENGINE), stall=init_info.stall or None)
         except ReshardError as e:
             raise ValueError(f"reshard: {self.role}: {e}") from None
         try:

@@ -1,6 +1,6 @@
-"""What both sides of a refit group share before a byte moves: the two layouts from the YAML text the init
-info carries, and the handshake in which every trainer rank and every vLLM worker agree on the model (or on
-one rank's error). Needs no vLLM."""
+"""What both sides of a refit group share before a byte moves, whatever the engine: the two layouts from the
+YAML text the init info carries, and the handshake in which every trainer rank and every engine worker agree
+on the model (or on one rank's error). Imports no engine."""
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +31,7 @@ def digest(layout=None, tensors: Mapping | None = None) -> list | None:
 @dataclass(frozen=True)
 class Agreed:
     """What every rank of a refit group said in the handshake, in refit-rank order: its NVLink domain key
-    (`topology: auto`), and whether vLLM's update session is open on it (a vLLM worker whose previous trainer
+    (`topology: auto`), and whether the engine's update session is open on it (a worker whose previous trainer
     started an update and never finished it: the next trainer finishes it before starting its own)."""
 
     domains: list
@@ -65,9 +65,9 @@ def handshake(comm, role: str, model, error: str | None, domain: str | None = No
     return agreed
 
 
-def rank_names(dst):
+def rank_names(dst, engine: str):
     """What each refit rank is, from the engine's layout alone: its workers ("vLLM worker i", or "vLLM replica r
-    worker w" in a fleet), and the trainer's ranks ("trainer r") around them."""
+    worker w" in a fleet, for `engine` "vLLM"), and the trainer's ranks ("trainer r") around them."""
     fleet = fleet_of(dst)
 
     def name(rank: int) -> str:
@@ -75,8 +75,8 @@ def rank_names(dst):
             return f"trainer {rank}"
         i = dst.ranks.index(rank)
         if fleet.replicas == 1:
-            return f"vLLM worker {i}"
-        return f"vLLM replica {fleet.replica_of(i)} worker {i % fleet.per_replica}"
+            return f"{engine} worker {i}"
+        return f"{engine} replica {fleet.replica_of(i)} worker {i % fleet.per_replica}"
     return name
 
 
@@ -103,7 +103,7 @@ def refit_topology(topology: str, domains: list) -> Topology:
         return nvml.domains_from_keys(domains)
     if "\n" not in text and ":" not in text:
         return load_topology(text)
-    with tempfile.TemporaryDirectory(prefix="reshard-vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="reshard-refit-") as tmp:
         path = os.path.join(tmp, "topology.yaml")
         with open(path, "w") as f:
             f.write(text)
@@ -124,7 +124,7 @@ def _first_difference(m0: list, m: list) -> str:
 def layouts(src_text: str, dst_text: str, trainer_size: int = 0):
     """The two layouts from YAML text (src may be empty: read from DTensors at the first refit; the engine's
     ranks then start after the trainer's `trainer_size` unless its layout says otherwise)."""
-    with tempfile.TemporaryDirectory(prefix="reshard-vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="reshard-refit-") as tmp:
         paths = {}
         for name, text in (("src.yaml", src_text), ("dst.yaml", dst_text)):
             if text:

@@ -31,6 +31,15 @@ def test_a_peer_error_is_everyones_one_line():
         handshake(comm, "trainer 0", MODEL, None)
 
 
+def test_different_transports_are_everyones_one_line():
+    """A trainer told shm and a worker told auto would post messages the other never takes: refused before."""
+    comm = Peer(lambda obj: {**obj, "role": "vLLM worker 0", "settings": {"transport": "auto"}})
+    with pytest.raises(ConfigError, match=r"refit ranks 0 \(trainer 0\) and 1 \(vLLM worker 0\) were given different "
+                                          r"transports: 'shm' and 'auto'"):
+        handshake(comm, "trainer 0", MODEL, None, settings={"transport": "shm"})
+    handshake(Peer(lambda obj: obj), "trainer 0", MODEL, None, settings={"transport": "shm"})
+
+
 def test_different_models_name_the_first_difference():
     other = [("a.weight", (4, 4), "bfloat16"), ("b.weight", (3,), "bfloat16")]
 

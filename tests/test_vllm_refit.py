@@ -194,7 +194,7 @@ def test_refit_into_vllm_parameters(tmp_path):
 _Lockstep = vllm_fp8.Lockstep
 
 
-def _trainer_engine(rank, ports, model_dir, src_yaml, dst_yaml):
+def _trainer_engine(rank, ports, model_dir, src_yaml, dst_yaml, transport="auto"):
     """The trainer through vLLM's trainer factory and our trainer engine: DTensors Shard(0), no src layout
     (the engine learns it from the DTensors)."""
     import torch.distributed as dist
@@ -213,7 +213,7 @@ def _trainer_engine(rank, ports, model_dir, src_yaml, dst_yaml):
     man = load_layout(dst_yaml, first_rank=2).manifest
     current = {}
     info = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=ports["refit"], dst=open(dst_yaml).read(), rank=rank,
-                                    timeout=120)
+                                    timeout=120, transport=transport)
     current.update({n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(man, 0).items()})
     engine = WeightTransferTrainerFactory.trainer_init(info, client=_Lockstep(),
                                                        source=vb.ReshardSource(lambda: current))
@@ -283,7 +283,7 @@ def _onednn_takes(dtype) -> bool:
     return True
 
 
-def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
+def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml, transport="auto"):
     """vLLM worker side on a model in vLLM's CPU kernel format (linear weights repacked, as after vLLM's own
     load): vLLM's plugin loader registers `reshard` (our entry point), vLLM's factory builds the worker engine,
     and the worker calls init / start / update / finish as vLLM's worker does. After each update, what the
@@ -305,7 +305,7 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), vc,
                                                            torch.device("cpu"), model)
         info = {"host": "127.0.0.1", "port": ports["refit"], "world_size": 4, "dst": open(dst_yaml).read(),
-                "trainer_size": 2, "timeout": 120}
+                "trainer_size": 2, "timeout": 120, "transport": transport}
         engine.init_transfer_engine(engine.parse_init_info(info))
         out = []
         for step in range(STEPS):
@@ -318,6 +318,8 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
             want = _probe(_fresh(vc, man, step))
             out.append((engine.last_stats["checksums_ok"],
                         sorted(n for n in want if not torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)))))
+        carrier = {type(p.engine.comm).__name__ for p in engine.refit.parts if p.engine is not None}
+        assert carrier == ({"ShmComm"} if transport == "shm" else {"GroupComm"}), carrier
         bad = info | {"dst": open(dst_yaml).read().replace("{tp: 2}", "{dp: 2}"), "port": ports["refit2"]}
         try:
             engine.init_transfer_engine(engine.parse_init_info(bad))
@@ -328,12 +330,14 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml):
     return out
 
 
-@pytest.mark.parametrize("config", [QWEN3_MOE, QWEN3_TIED], ids=["qwen3-moe", "qwen3-tied"])
-def test_backend_through_vllms_plugin_and_factory(tmp_path, config):
+@pytest.mark.parametrize("config,transport", [(QWEN3_MOE, "auto"), (QWEN3_TIED, "auto"), (QWEN3_MOE, "shm")],
+                         ids=["qwen3-moe", "qwen3-tied", "qwen3-moe-shm"])
+def test_backend_through_vllms_plugin_and_factory(tmp_path, config, transport):
+    """(shm: the trainer colocated with the engine, the refit's messages over shared memory.)"""
     model_dir = _model_dir(tmp_path, config)
     dst = tmp_path / "vllm.yaml"
     dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nmesh: {{tp: 2}}\n")
-    results = _four(_trainer_engine, _engine_backend, str(model_dir), None, str(dst))
+    results = _four(_trainer_engine, _engine_backend, str(model_dir), None, str(dst), transport)
     for rank in (0, 1):
         *steps, bad = results[rank]
         assert [ok for ok, _ in steps] == [True] * STEPS, (rank, steps)

@@ -39,20 +39,26 @@ class Agreed:
 
 
 def handshake(comm, role: str, model, error: str | None, domain: str | None = None, *,
-              open_update: bool = False) -> Agreed:
+              open_update: bool = False, settings: dict | None = None) -> Agreed:
     """Collective over the refit group: every rank says its role, a hash of its model (None: derived from
     DTensors later), whether its own checks passed, its NVLink domain key and (a worker) whether an update
-    session is open on it. Every rank raises the same one-line ConfigError if any failed or two models differ,
-    so no side waits for a transfer that will not come. Only when the hashes differ do the ranks exchange the
+    session is open on it, and the `settings` every rank must share (its transport). Every rank raises the same
+    one-line ConfigError if any failed, two models differ or two ranks' settings do, so no side waits for a
+    transfer that will not come. Only when the hashes differ do the ranks exchange the
     models themselves, to name the first difference."""
     mine = hashlib.sha256(repr(model).encode()).hexdigest() if model is not None else None
     everyone = comm.all_gather_object({"role": role, "model": mine, "error": error, "domain": domain,
-                                       "open": open_update})
+                                       "open": open_update, "settings": settings or {}})
     if hasattr(comm, "name_ranks"):
         comm.name_ranks([x["role"] for x in everyone])
     failures = [Failure(r, x["error"], 2, x["role"]) for r, x in enumerate(everyone) if x["error"]]
     if failures:
         raise ConfigError(one_line(failures, label="refit rank"))
+    for r, x in enumerate(everyone):
+        for key, value in x["settings"].items():
+            if value != everyone[0]["settings"].get(key):
+                raise ConfigError(f"refit ranks 0 ({everyone[0]['role']}) and {r} ({x['role']}) were given "
+                                  f"different {key}s: {everyone[0]['settings'].get(key)!r} and {value!r}", key=key)
     agreed = Agreed([x["domain"] for x in everyone], [bool(x.get("open")) for x in everyone])
     if len({x["model"] for x in everyone if x["model"] is not None}) < 2:
         return agreed

@@ -33,6 +33,8 @@ class ReshardInitInfo(_api.WeightTransferInitInfo):
     mode: str = "auto"  # the plan's mode (`reshard plan --mode`): auto picks each tensor class's route
     stall: float = 0.0  # seconds without a peer's heartbeat before it is named as stalled (0: the default, 10 s
     # or half the timeout); the update returns, and the engine serves again, as soon as it is named
+    transport: str = "auto"  # what carries the refit's messages: "auto" (the group's backend) or "shm" (shared
+    # memory between the ranks of one host: a trainer colocated with the engine; `transfer.shm`)
 
 
 @dataclass
@@ -59,6 +61,7 @@ class ReshardTrainerInitInfo(_api.TrainerInitInfo):
     topology: str = ""  # ReshardInitInfo.topology: the refit ranks' domains (trainer ranks first)
     mode: str = "auto"  # ReshardInitInfo.mode
     stall: float = 0.0  # ReshardInitInfo.stall
+    transport: str = "auto"  # ReshardInitInfo.transport
     on_member_fault: str = "drop"  # a fleet member whose engine fails, dies or stalls during an update: "drop"
     # it and run the update again among the others (a new group and plan), or "fail" the update
     on_partial: str = "pause"  # an update that failed after committing some groups leaves the engine on a mix

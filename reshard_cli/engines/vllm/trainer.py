@@ -110,7 +110,8 @@ class ReshardTrainerEngine(FleetTrainer, _api.TrainerWeightTransferEngine):
         try:
             agreed = handshake(self.group, f"trainer {init_info.rank}",
                                digest(src, None if src is not None or error else tensors), error,
-                               domain_key(init_info.topology, _device_of(tensors)))
+                               domain_key(init_info.topology, _device_of(tensors)),
+                               settings={"transport": init_info.transport})
             topology = refit_topology(init_info.topology, agreed.domains)
         except BaseException:
             for call in calls:
@@ -124,7 +125,8 @@ class ReshardTrainerEngine(FleetTrainer, _api.TrainerWeightTransferEngine):
         self._seated(agreed.open_updates)
         self.refit = (Refit(role="src", src=src, dst=dst, mode=init_info.mode, topology=topology,
                             bucket_mb=init_info.bucket_mb, group=self.group,
-                            stage_mb=stage_budget_mb(dst, init_info.stage_mb), who=f"trainer {init_info.rank}")
+                            stage_mb=stage_budget_mb(dst, init_info.stage_mb), who=f"trainer {init_info.rank}",
+                            transport=init_info.transport)
                       if init_info.path == "reshard" else None)
 
     def fleet_figures(self) -> dict | None:
@@ -244,7 +246,8 @@ def _worker_info(init_info, world: int, trainer_size: int) -> dict:
     return {"host": init_info.host, "port": init_info.port, "world_size": world, "src": init_info.src,
             "dst": init_info.dst, "trainer_size": trainer_size, "timeout": init_info.timeout,
             "bucket_mb": init_info.bucket_mb, "path": init_info.path, "stage_mb": init_info.stage_mb,
-            "topology": init_info.topology, "mode": init_info.mode, "stall": init_info.stall}
+            "topology": init_info.topology, "mode": init_info.mode, "stall": init_info.stall,
+            "transport": init_info.transport}
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:

@@ -93,7 +93,7 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
             raise ValueError(f"reshard: {self.role}: {e}") from None
         try:
             agreed = handshake(group, self.role, digest(dst), error, domain_key(init_info.topology, self.device),
-                               open_update=self.update_open)
+                               open_update=self.update_open, settings={"transport": init_info.transport})
             topology = refit_topology(init_info.topology, agreed.domains)
         except ReshardError as e:
             group.close()
@@ -103,7 +103,8 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         if self.path == "reshard":
             self.refit = Refit(role="dst", src=src, dst=dst, mode=init_info.mode, topology=topology,
                                bucket_mb=init_info.bucket_mb, group=group, device=self.device,
-                               stage_mb=stage_budget_mb(dst, init_info.stage_mb), who=self.role)
+                               stage_mb=stage_budget_mb(dst, init_info.stage_mb), who=self.role,
+                               transport=init_info.transport)
         self.last_stats = None
         self.updated = False
 

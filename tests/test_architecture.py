@@ -8,6 +8,7 @@ so it also sees imports inside functions; it is tested on made-up graphs that br
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,6 +254,47 @@ def test_rooms_stay_small():
     """A module that outgrows MAX_FILE_LINES is two rooms, a function over MAX_FUNCTION_LINES two steps: split
     them along their seams."""
     assert oversized() == []
+
+
+FORMAT_WORDS = re.compile(r"fp8|float8|e4m3|mxfp|nvfp", re.IGNORECASE)
+
+
+def format_names(root: Path = ROOT) -> list[str]:
+    """Lines of the transfer core that name a wire format: what travels is the codec's (`reshard_cli.codecs`)."""
+    out = []
+    for path in sorted((root / "transfer").rglob("*.py")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if FORMAT_WORDS.search(line):
+                out.append(f"{path.relative_to(root.parent)}:{i}: {line.strip()}")
+    return out
+
+
+def backend_calls(root: Path = ROOT) -> list[str]:
+    """torch.distributed in the transfer engine: every message goes through its comm (the transport)."""
+    path = root / "transfer" / "engine.py"
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+            if any(n and n.startswith("torch.distributed") for n in names):
+                out.append(f"{path.name}:{node.lineno}: imports torch.distributed")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "dist":
+            out.append(f"{path.name}:{node.lineno}: dist.{node.attr}")
+    return out
+
+
+def test_the_transfer_core_names_no_format_and_calls_no_backend():
+    """A second wire format is a codec and a second transport a comm: neither touches the transfer core."""
+    assert format_names() == []
+    assert backend_calls() == []
+
+
+def test_format_and_backend_checkers_find_them(tmp_path):
+    root = _tree(tmp_path, {"transfer/__init__.py": "", "transfer/engine.py": "import torch.distributed as dist\n"
+                            "def f(t):\n    return dist.isend(t, 1)\n", "transfer/x.py": "# an FP8 item\n"})
+    assert format_names(root) == ["reshard_cli/transfer/x.py:1: # an FP8 item"]
+    assert backend_calls(root) == ["engine.py:1: imports torch.distributed", "engine.py:3: dist.isend"]
 
 
 def test_size_checker_finds_a_long_function_and_a_long_module(tmp_path):

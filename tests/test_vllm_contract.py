@@ -299,3 +299,20 @@ def test_a_joiner_is_labelled_with_the_weights_it_is_sent():
     with pytest.raises(ConfigError, match=r"changed since the last update \(step-1\): pass add\(client, "
                                           r"weight_version=\.\.\.\)"):
         engine.add(object())
+
+
+def test_init_infos_validate_themselves():
+    """Every setting of the backend's init infos is checked when the info is built, in one line naming it: the
+    trainer's before any engine is called (ConfigError), a worker's as vLLM parses it (ValueError, vLLM's)."""
+    from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardTrainerInitInfo
+    from reshard_cli.errors import ConfigError
+
+    bad = {"path": "nope", "mode": "fast", "transport": "tcp", "stage_mb": -1, "timeout": 0, "bucket_mb": -2.0,
+           "stall": float("nan")}
+    for key, value in {**bad, "on_partial": "keep", "on_member_fault": "retry"}.items():
+        with pytest.raises(ConfigError, match=rf"^{key}: .*{value!r}" if key != "stall" else r"^stall: "):
+            ReshardTrainerInitInfo(rank=0, **{key: value})
+    for key, value in bad.items():
+        with pytest.raises(ValueError, match=rf"^reshard: {key}: "):
+            ReshardInitInfo(host="h", port=1, world_size=2, dst="x", **{key: value})
+    assert ReshardTrainerInitInfo(rank=0, transport="shm", stage_mb=0, stall=2.5).transport == "shm"

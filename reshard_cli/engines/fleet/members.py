@@ -47,6 +47,17 @@ PAUSED: set = set()  # the engines reshard paused after a partial update, until 
 # paused is resumed
 
 
+FLEET_SETTINGS = {"on_partial": ("pause", "serve"), "on_member_fault": ("drop", "fail")}
+
+
+def checked_fleet_settings(info) -> None:
+    """The fleet's settings of a trainer's init info (any engine's), refused in one line naming the key: the one
+    check, made when the info is built (the vLLM backend's `__post_init__`) and when a fleet starts."""
+    for key, allowed in FLEET_SETTINGS.items():
+        if getattr(info, key) not in allowed:
+            raise ConfigError(f"must be {' or '.join(map(repr, allowed))}, not {getattr(info, key)!r}", key=key)
+
+
 class FleetTrainer:
     """The fleet's side of a trainer engine: mixed into an engine's trainer engine (`engines.vllm.trainer`),
     which provides:
@@ -67,10 +78,7 @@ class FleetTrainer:
 
     def _fleet_init(self, init_info) -> None:
         """The fleet's settings checked, its state empty (`trainer_init`, before the group forms)."""
-        if init_info.on_partial not in ("pause", "serve"):
-            raise ValueError(f"reshard: on_partial must be 'pause' or 'serve', not {init_info.on_partial!r}")
-        if init_info.on_member_fault not in ("drop", "fail"):
-            raise ValueError(f"reshard: on_member_fault must be 'drop' or 'fail', not {init_info.on_member_fault!r}")
+        checked_fleet_settings(init_info)
         self._fleet_text = init_info.dst  # the layout as given: its replica is every member's
         self.version: str | None = None  # the last update's weight version (what a joining member catches up to)
         self._pending: list = []  # membership changes for the next update (rank 0): ("add" | "remove", client)

@@ -4,13 +4,36 @@ registers the backend in this process: a trainer process never runs vLLM's plugi
 registration `trainer_init(ReshardTrainerInitInfo(...))` would answer "Invalid weight transfer backend"."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from reshard_cli.engines.fleet.members import checked_fleet_settings
 from reshard_cli.engines.vllm import compat, plugin
+from reshard_cli.errors import ConfigError
+from reshard_cli.formats.base import checked_stage_mb
+from reshard_cli.plan.terms import MODES
+from reshard_cli.transfer.shm import checked_transport
 
 BACKEND = plugin.BACKEND
 _api = compat.transfer_api()
+PATHS = ("reshard", "full")
+
+
+def _validated(info) -> None:
+    """The one check of an init info's settings, on the side that builds it (the trainer, before any engine is
+    called; a worker, before it joins the group): anything a user can get wrong refused in one line naming it."""
+    if info.path not in PATHS:
+        raise ConfigError(f"must be one of {', '.join(PATHS)}, not {info.path!r}", key="path")
+    if info.mode not in MODES:
+        raise ConfigError(f"must be one of {', '.join(MODES)}, not {info.mode!r}", key="mode")
+    checked_transport(info.transport, key="transport")
+    checked_stage_mb(info.stage_mb)
+    for key, low in (("timeout", 0.0), ("bucket_mb", 0.0), ("stall", None)):
+        value = getattr(info, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                (value <= low if low is not None else value < 0):
+            raise ConfigError(f"must be a number {'>' if low is not None else '>='} 0, not {value!r}", key=key)
 
 
 @dataclass
@@ -35,6 +58,12 @@ class ReshardInitInfo(_api.WeightTransferInitInfo):
     # or half the timeout); the update returns, and the engine serves again, as soon as it is named
     transport: str = "auto"  # what carries the refit's messages: "auto" (the group's backend) or "shm" (shared
     # memory between the ranks of one host: a trainer colocated with the engine; `transfer.shm`)
+
+    def __post_init__(self):  # vLLM's worker surfaces a ValueError from parsing its init info
+        try:
+            _validated(self)
+        except ConfigError as e:
+            raise ValueError(f"reshard: {e}") from None
 
 
 @dataclass
@@ -67,6 +96,10 @@ class ReshardTrainerInitInfo(_api.TrainerInitInfo):
     on_partial: str = "pause"  # an update that failed after committing some groups leaves the engine on a mix
     # of two steps: "pause" pauses its generation (vLLM's pause route) until a complete refit lands; "serve"
     # keeps serving it (its weight version says what it holds)
+
+    def __post_init__(self):
+        _validated(self)
+        checked_fleet_settings(self)
 
 
 plugin.register()  # importing the trainer API is enough to use it (see the module docstring)

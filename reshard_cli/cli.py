@@ -182,6 +182,7 @@ def _bcast_json(p, b) -> dict:
 
 @app.command()
 def run(
+    ctx: typer.Context,
     src: Path = SrcOpt,
     dst: Path = DstOpt,
     topology: Optional[Path] = TopoOpt,
@@ -230,9 +231,14 @@ def run(
     if not under_torchrun():
         run_mod.launch_run(opts)
         return
-    from reshard_cli.engines.vllm.push import push  # torch: only once a worker runs
+    hooks = (ctx.obj or {}).get("hooks")  # faults a test injects (tests/faults.py); none in production
+    with run_mod.joined(opts) as job:
+        if job.plan.dst.engine_url:  # into a running engine, through its weight-transfer backend
+            from reshard_cli.engines.vllm.push import push  # torch and vLLM's names: only once a worker runs
 
-    report = run_mod.worker(opts, push=push)
+            report = push(opts, job, hooks)
+        else:
+            report = run_mod.work(opts, job, hooks)
     if report is None:  # not rank 0
         return
     typer.echo(report.text)
@@ -352,11 +358,12 @@ def dist_initialized() -> bool:
     return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
-def main() -> None:
-    """Console entry point: one-line errors, exit codes 2 (bad input) / 1 (runtime failure)."""
+def main(obj: dict | None = None) -> None:
+    """Console entry point: one-line errors, exit codes 2 (bad input) / 1 (runtime failure). `obj`: the
+    commands' context object (Click's), where a test's entry point hands `reshard run` its fault hooks."""
     debug = "--debug" in sys.argv[1:]
     try:
-        app()
+        app(obj=obj)
     except ReshardError as e:
         if debug:  # the traceback, but still the error's exit code (2 = bad input)
             import traceback

@@ -6,8 +6,8 @@ FAULTS is a comma list of KIND:RANK. `die` makes that rank exit before moving an
 stops it (SIGSTOP) that long before moving anything (then it continues); the others damage
 one destination shard of that rank after the transfer, so a test can prove that verification catches it:
 corrupt (one flipped byte), missing (an element left as the sentinel), misplaced (two elements swapped),
-duplicated (one element copied over another). The launcher starts this same file in every worker, so the
-hooks live in the workers too; nothing of this is in the production worker.
+duplicated (one element copied over another). The launcher starts this same file in every worker, which hands
+the hooks to `reshard run` through the CLI's context object; nothing of this is in the production worker.
 """
 import os
 import signal
@@ -62,6 +62,5 @@ def damage(kind: str, dst_shards: dict) -> None:
 if __name__ == "__main__":
     spec = sys.argv.pop(1)
     launcher.ENTRY = [os.path.abspath(__file__), spec]  # every worker runs this file with the same faults
-    run.HOOKS = Faults(spec)
     sys.argv[0] = "reshard"
-    cli.main()
+    cli.main(obj={"hooks": Faults(spec)})

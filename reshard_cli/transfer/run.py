@@ -1,7 +1,7 @@
 """`reshard run`: the launcher side and the worker that moves the weights from a source into fresh buffers.
 
 Not under torchrun, `launch_run()` validates the layouts and the output directory, then starts one worker per
-rank the layouts use (`launcher.launch`). Under torchrun, `worker()` joins the job; ranks beyond the two groups
+rank the layouts use (`launcher.launch`). Under torchrun, `joined()` joins the job; ranks beyond the two groups
 idle. A worker's steps, each its own function below:
 
   1. load    — every source rank reads its shards (one error naming each failed rank, before any transfer);
@@ -16,20 +16,21 @@ Steps 1-4 are the shared pipeline's (`transfer.pipeline`, as `reshard bench` and
 this command's own is here: opening the source, the output directory, the table.
 
 When the destination layout names a running engine (`engine: {kind: vllm, url: ...}`), only the source ranks
-start, and the `push` the caller passes (`reshard_cli.engines.vllm.push`) moves the weights into the engine
-through its weight-transfer backend instead (steps 1, 3, 4 and 6 as above, the destination side done by the
-engine's workers).
+start, and the CLI hands the joined job (`joined`) to the engine's integration (`reshard_cli.engines.vllm.push`),
+which moves the weights into the engine through its weight-transfer backend instead (steps 1, 3, 4 and 6 as
+above, the destination side done by the engine's workers); otherwise to `work`.
 
-`Hooks` are fixed points where tests inject faults (a rank that dies, a byte that flips); production runs
-with none.
+`Hooks` are fixed points where tests inject faults (a rank that dies, a byte that flips), passed by the caller;
+production runs with none.
 """
 from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,8 @@ class RunOptions(JobOptions):
 
 
 class Hooks:
-    """Points in the worker where tests inject faults. Production runs with `HOOKS = None`."""
+    """Points in the worker where tests inject faults (`work(hooks=)`, and the engine integrations' pushes).
+    Production runs with none."""
 
     def before_transfer(self, rank: int) -> None:
         """Called on every rank after set-up, before the first transfer."""
@@ -92,8 +94,6 @@ class Hooks:
     def after_transfer(self, rank: int, dst_shards: dict) -> None:
         """Called on every rank after the last transfer, before verification."""
 
-
-HOOKS: Hooks | None = None
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -114,13 +114,23 @@ def launch_run(opts: RunOptions) -> None:
 # ------------------------------------------------------------------------------------------------ worker
 
 
-def worker(opts: RunOptions, push: Callable | None = None) -> RunReport | None:
-    """One rank of `reshard run`. Rank 0 returns the report (a `RunReport`: the table, its JSON twin, whether
-    verification failed); others None.
+@dataclass(frozen=True)
+class Job:
+    """A worker of a `reshard run` job once it joined: the plan every rank follows, this rank, the world, and
+    the device it works on."""
 
-    `push(opts, plan, rank, world, device)` moves the weights into a running engine when the destination layout
-    names one (`engine: {url}`); the engine integrations above this layer provide it
-    (`reshard_cli.engines.vllm.push`), and return a `RunReport`."""
+    plan: Plan
+    rank: int
+    world: int
+    device: torch.device
+
+
+@contextmanager
+def joined(opts: RunOptions) -> Iterator[Job]:
+    """One rank of `reshard run`, for the block: the layouts validated on every rank (one agreed line if any
+    fails), the job's process group joined (its watchdog on), the plan ready (a discovered topology's routes
+    included). The caller then moves the weights: into fresh buffers (`work`), or into a running engine (the
+    engine integrations above this layer) when the destination layout names one (`engine: {url}`)."""
     rank, world = launcher.rank_and_world()
     auto = opts.topology is not None and str(opts.topology) == "auto"  # discovered once the job is up
 
@@ -144,12 +154,17 @@ def worker(opts: RunOptions, push: Callable | None = None) -> RunReport | None:
     with launcher.process_group(backend, opts.timeout) as device:
         if auto:
             plan = pipeline.with_topology(plan, _discover_topology(world))
-        if plan.dst.engine_url:
-            if push is None:
-                raise ConfigError(f"the destination is a running engine ({plan.dst.engine_url}) and no engine "
-                                  f"integration was given to push into it", key="--dst")
-            return push(opts, plan, rank, world, device)
-        return _work(opts, plan, rank, world, device)
+        yield Job(plan, rank, world, device)
+
+
+def work(opts: RunOptions, job: Job, hooks: Hooks | None = None) -> RunReport | None:
+    """The weights moved from the source into fresh sentinel-filled buffers, verified, written (`--out`) and
+    reported: rank 0 returns the report (a `RunReport`: the table, its JSON twin, whether verification failed),
+    others None. `hooks`: where a test injects faults (None in production)."""
+    if job.plan.dst.engine_url:
+        raise ConfigError(f"the destination is a running engine ({job.plan.dst.engine_url}): its integration moves "
+                          f"the weights, not fresh buffers", key="--dst")
+    return _work(opts, job.plan, job.rank, job.world, job.device, hooks)
 
 
 def _discover_topology(world: int):
@@ -161,7 +176,8 @@ def _discover_topology(world: int):
     return nvml.domains_from_keys(keys)
 
 
-def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> RunReport | None:
+def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device,
+          hooks: Hooks | None) -> RunReport | None:
     source, src_shards, dst_shards = load(opts, plan, rank, device)
     bar = _progress_bar(opts, rank)
     comm = with_transport(WORLD, opts.transport, device)  # collective
@@ -169,15 +185,15 @@ def _work(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.dev
         engine = pipeline.build_engine(plan, rank, src_shards, dst_shards, opts.transfer, device, comm=comm,
                                        progress=(lambda n: bar.update(n)) if bar else None)
         link_gbps = pipeline.LinkLimit(engine, device).best_gbps() if opts.link_test else None
-        if HOOKS is not None:
-            HOOKS.before_transfer(rank)
+        if hooks is not None:
+            hooks.before_transfer(rank)
         try:
             seconds = _move(engine, plan, opts.iters, device)
         finally:
             if bar is not None:
                 bar.close()
-        if HOOKS is not None:
-            HOOKS.after_transfer(rank, dst_shards)
+        if hooks is not None:
+            hooks.after_transfer(rank, dst_shards)
         result = _verify(plan, rank, src_shards, dst_shards, source, device)  # collective: every message taken
         staging = launcher.allreduce_int(engine.peak_staging_bytes)
     finally:
@@ -391,4 +407,4 @@ def _run_text(opts, plan, stats, doc: dict, result: Verified, world: int) -> str
     return "\n".join(lines)
 
 
-__all__ = ["RunOptions", "Hooks", "HOOKS", "launch_run", "worker", "load", "RunReport"]
+__all__ = ["RunOptions", "Hooks", "Job", "joined", "work", "launch_run", "load", "RunReport"]

@@ -6,7 +6,6 @@ import os
 import statistics
 from dataclasses import replace
 
-import torch
 import torch.distributed as dist
 
 from reshard_cli.base import checksums
@@ -18,21 +17,23 @@ from reshard_cli.engines.vllm.clients import check_fleet, http_client, portable_
 from reshard_cli.layouts import bundled
 from reshard_cli.plan.fp8 import fp8_figures
 from reshard_cli.plan.planner import Plan
-from reshard_cli.transfer import launcher, run
+from reshard_cli.transfer import launcher
 from reshard_cli.transfer.pipeline import ready_plan
 from reshard_cli.transfer.results import RunReport
-from reshard_cli.transfer.run import RunOptions, load
+from reshard_cli.transfer.run import Hooks, Job, RunOptions, load
 
 
 TELL_SECONDS = 10.0  # how long `reshard run` waits for a dropped member that has not answered, to tell it what
 # it holds, before it exits
 
 
-def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.device) -> RunReport | None:
-    """Into a running `vllm serve` (`engine: {url}` in the destination layout): this job's ranks are the
-    sources; the engine's workers join a refit group with them through the `reshard` weight-transfer backend
-    (rank 0 drives vLLM's HTTP routes), and every piece lands in the engine's own storage. Verified by the
-    checksums the workers compute of what they hold against the sources'."""
+def push(opts: RunOptions, job: Job, hooks: Hooks | None = None) -> RunReport | None:
+    """Into a running `vllm serve` (`engine: {url}` in the destination layout), for a joined `reshard run` job
+    (`transfer.run.joined`): this job's ranks are the sources; the engine's workers join a refit group with them
+    through the `reshard` weight-transfer backend (rank 0 drives vLLM's HTTP routes), and every piece lands in
+    the engine's own storage. Verified by the checksums the workers compute of what they hold against the
+    sources'. `hooks`: where a test injects faults."""
+    plan, rank, world, device = job.plan, job.rank, job.world, job.device
     url = plan.dst.engine_url
     source, src_shards, _ = load(opts, plan, rank, device)
     counts, down = [], {}
@@ -72,8 +73,8 @@ def push(opts: RunOptions, plan: Plan, rank: int, world: int, device: torch.devi
         engine = ReshardTrainerEngine.trainer_init(info, client=clients or None,
                                                    source=ReshardSource(lambda: tensors))
     reports = []
-    if run.HOOKS is not None:
-        run.HOOKS.before_transfer(rank)
+    if hooks is not None:
+        hooks.before_transfer(rank)
     with launcher.collected("pushing into the engine"):
         for _ in range(max(opts.iters, 1)):
             reports.append(engine.send_weights())

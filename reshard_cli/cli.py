@@ -231,7 +231,14 @@ def run(
     if not under_torchrun():
         run_mod.launch_run(opts)
         return
-    hooks = (ctx.obj or {}).get("hooks")  # faults a test injects (tests/faults.py); none in production
+    _run_worker(opts, json_out, (ctx.obj or {}).get("hooks"))  # hooks: faults a test injects (tests/faults.py)
+
+
+def _run_worker(opts, json_out: Optional[Path], hooks) -> None:
+    """One torchrun worker of `reshard run`: it joins the job, then pushes into a running engine or moves the
+    weights into fresh buffers; rank 0 prints the report."""
+    from reshard_cli.transfer import run as run_mod
+
     with run_mod.joined(opts) as job:
         if job.plan.dst.engine_url:  # into a running engine, through its weight-transfer backend
             from reshard_cli.engines.vllm.push import push  # torch and vLLM's names: only once a worker runs

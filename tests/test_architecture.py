@@ -43,6 +43,7 @@ class Import:
     target: str  # the module imported (for `from pkg import name`, pkg.name when that is a module)
     lazy: bool  # inside a function
     line: int
+    typing_only: bool = False  # under `if TYPE_CHECKING:` (an annotation's name: never imported at run time)
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -62,6 +63,8 @@ def read_imports(root: Path = ROOT) -> tuple[set[str], list[Import]]:
         tree = ast.parse(path.read_text(), filename=str(path))
         lazy_nodes = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                       for n in ast.walk(f)}
+        typing_nodes = {id(n) for f in ast.walk(tree) if isinstance(f, ast.If) and _is_type_checking(f.test)
+                        for b in f.body for n in ast.walk(b)}
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -75,8 +78,13 @@ def read_imports(root: Path = ROOT) -> tuple[set[str], list[Import]]:
             else:
                 continue
             for t in dict.fromkeys(targets):
-                found.append(Import(mod, t, id(node) in lazy_nodes, node.lineno))
+                found.append(Import(mod, t, id(node) in lazy_nodes, node.lineno, id(node) in typing_nodes))
     return modules, found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def layer_of(module: str, layers=LAYERS) -> int | None:
@@ -147,8 +155,12 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def module_cycles(modules: set[str], imports: list[Import]) -> list[list[str]]:
+    """Cycles between modules at run time (a name imported only for annotations, under `if TYPE_CHECKING:`,
+    is never imported: it makes none; it still may not point a layer up)."""
     edges: dict[str, set[str]] = {m: set() for m in modules}
     for im in imports:
+        if im.typing_only:
+            continue
         if im.target in modules and im.target != im.module and not im.module.startswith(im.target + "."):
             edges[im.module].add(im.target)
     return cycles(edges)
@@ -161,7 +173,7 @@ def package_cycles(modules: set[str], imports: list[Import]) -> list[list[str]]:
 
     edges: dict[str, set[str]] = {}
     for im in imports:
-        if im.target in modules:
+        if im.target in modules and not im.typing_only:
             a, b = pkg(im.module), pkg(im.target)
             if a != b and a != "reshard_cli" and b != "reshard_cli":
                 edges.setdefault(a, set()).add(b)
@@ -345,6 +357,13 @@ def test_checker_finds_cycles(tmp_path):
     modules, imports = read_imports(root2)
     assert module_cycles(modules, imports) == []
     assert package_cycles(modules, imports) == [["reshard_cli.high", "reshard_cli.low"]]
+    root3 = _tree(tmp_path / "three", {"low/__init__.py": "", "low/a.py": "from reshard_cli.low import b\n",
+                                       "low/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                   "    from reshard_cli.low.a import A\n",
+                                       "high/__init__.py": "", "high/d.py": "x = 1\n"})
+    modules, imports = read_imports(root3)
+    assert module_cycles(modules, imports) == []  # an annotation's import is no run-time cycle
+    assert [im.typing_only for im in imports if im.module == "reshard_cli.low.b"] == [False, True]
 
 
 def test_checker_finds_a_needless_lazy_import(tmp_path):

@@ -68,18 +68,20 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology
 from reshard_cli.plan.bound import LowerBound, lower_bound
 from reshard_cli.plan.cost_text import bound_by, fmt_seconds, prediction_text
 from reshard_cli.plan.fp8 import wire_weights
 from reshard_cli.plan.classes import TensorClasses
-from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.routes import RouteChoice, RouteSearch
 from reshard_cli.plan.rows import Table, numpy_ as _np
 from reshard_cli.plan.schedule import PackFiller, TransferOptions, align
 from reshard_cli.plan.terms import MODES, ClassRoutes, Route, Traffic, no_gc
+
+if TYPE_CHECKING:  # the plan the cost model and the schedule read (`Plan` chooses its routes with
+    from reshard_cli.plan.planner import Plan  # `auto_routes`: imported here for annotations only)
 
 DEFAULT_BUCKET_BYTES = TransferOptions().bucket_bytes  # `reshard run --bucket-mb 64`
 GB = 1e9
@@ -534,8 +536,8 @@ def auto_routes(plan: Plan, on_wire: bool = True) -> ClassRoutes:
 
 
 def with_auto_routes(plan: Plan) -> Plan:
-    """`plan`, ready to follow: in mode auto (without routes yet) with `auto_routes(plan)` handed in; any other
-    plan as it is."""
+    """`plan` with mode auto's routes chosen now (a plan in mode auto chooses them itself the first time they
+    are read: `Plan.routes_for`); any other plan as it is."""
     if plan.mode != "auto" or plan.class_routes is not None:
         return plan
     return plan.with_class_routes(auto_routes(plan))
@@ -557,8 +559,7 @@ def predict(plan: Plan, topology: Topology | None = None, *, modes=MODES,
     if links is None:
         return None
     if topology is not plan.topology:  # auto's routes, if the plan carries them, belong to its own topology
-        plan = Plan(plan.src, plan.dst, topology, mode=plan.mode, reshard_match=plan.reshard_match,
-                    bucket_bytes=plan.bucket_bytes)
+        plan = replace(plan, topology=topology, class_routes=None)
     with no_gc():
         if "auto" in modes and plan.class_routes is None:
             plan = plan.with_class_routes(auto_routes(plan, on_wire))

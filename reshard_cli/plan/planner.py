@@ -24,8 +24,8 @@ Every tensor takes one *route* (`terms.Route`): forward or direct (the reshard p
   * `reshard`: every tensor forward; `broadcast`: every tensor broadcast;
   * `hybrid`: tensors matching `reshard_match` (FFN/expert weights) forward, the rest broadcast;
   * `auto`: per tensor class, the route the cost model (`cost.py`, from the topology's link figures) predicts
-    fastest. The plan does not choose: the cost model weighs the plan's classes and hands it their routes
-    (`cost.with_auto_routes(plan)`, `Plan.class_routes`); a plan in mode auto without them has no routes.
+    fastest. The cost model weighs the plan's classes (`cost.auto_routes`) the first time the plan's routes
+    are read, or a caller hands them in (`Plan.class_routes`): a plan in mode auto always has its routes.
     The choice is a pure function of the layouts, the topology and the bucket size, computed with exact sums,
     so every rank computes the same one; it weighs every class once (a rank view in mode auto pays that too).
     Without link figures (no topology, or one without `links:`) there is nothing to weigh, and auto takes
@@ -47,6 +47,7 @@ from reshard_cli.base.geometry import Box
 from reshard_cli.layouts.layout import Layout, Placement
 from reshard_cli.formats import load_pair
 from reshard_cli.plan.classes import Loads, RankView, TensorClasses, whole_bytes
+from reshard_cli.plan.cost import auto_routes
 from reshard_cli.plan.fp8 import Wire
 from reshard_cli.layouts.topology import NO_TOPOLOGY, Topology, load_topology
 from reshard_cli.plan.terms import MODES, Bcast, ClassRoutes, Piece, Route, no_gc
@@ -93,7 +94,7 @@ class Plan:
 
     `paths` (per tensor: "reshard" or "broadcast") and `routes` (per tensor: a `Route`) are computed on first
     use. In mode auto they follow `class_routes`, which the cost model chooses from this plan's classes
-    (`cost.with_auto_routes`); they belong to this plan's layouts and topology (a plan with another topology
+    (`cost.auto_routes`, on first use unless given); they belong to this plan's layouts and topology (a plan with another topology
     needs its own). `bucket_bytes` is the transport's bucket size auto's cost figures assume (None: the
     transport's default).
     """
@@ -112,7 +113,7 @@ class Plan:
               mode: str = "hybrid", reshard_match: str | None = None, scale: int = 1,
               bucket_bytes: int | None = None) -> "Plan":
         """Load a layout pair (paths or bundled names) and a topology (path, bundled name or object) and plan
-        (in mode auto, without routes yet: see `cost.with_auto_routes`)."""
+        (in mode auto its routes are chosen when first read)."""
         with no_gc():
             src_l, dst_l = load_pair(src, dst, scale=scale)
         if topology is None:
@@ -147,7 +148,7 @@ class Plan:
 
     def subset(self, tensors) -> "Plan":
         """This plan over some of its tensors only (both layouts' `Layout.subset`, as a refit in staging groups
-        plans each group), in the same topology and mode (mode auto without routes yet: the cost model chooses
+        plans each group), in the same topology and mode (mode auto: the cost model chooses
         them for these tensors). It shares this plan's tensor classes: their geometry is not computed again."""
         out = Plan(self.src.subset(tensors), self.dst.subset(tensors), self.topology, mode=self.mode,
                    reshard_match=self.reshard_match, bucket_bytes=self.bucket_bytes)
@@ -187,9 +188,8 @@ class Plan:
             elif mode == "hybrid":
                 out = tuple(Route.FORWARD if self._rx.search(t.name) else Route.BROADCAST for t in tensors)
             elif mode == "auto":
-                if self.class_routes is None:
-                    raise ValueError("mode auto takes each class's route from the cost model, and this plan has "
-                                     "none: plan = cost.with_auto_routes(plan)")
+                if self.class_routes is None:  # chosen once, by the cost model, from this plan's topology
+                    self.class_routes = auto_routes(self)
                 per_class = self.class_routes.routes
                 out = tuple(per_class[i] for i in self.classes.index()[1])
             else:

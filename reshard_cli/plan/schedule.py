@@ -31,11 +31,13 @@ same `PackFiller`, so its prediction follows the transport.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from reshard_cli.base.geometry import Box, is_contiguous_region
-from reshard_cli.plan.planner import Plan
 from reshard_cli.plan.terms import Bcast
+
+if TYPE_CHECKING:  # the plan the cost model and the schedule read (`Plan` chooses its routes with
+    from reshard_cli.plan.planner import Plan  # `auto_routes`: imported here for annotations only)
 
 ALIGN = 16  # byte alignment of every item inside a bucket or pack
 

@@ -171,6 +171,34 @@ def test_files_are_the_control_file_and_staging_and_are_unlinked_at_close():
         assert left == []
 
 
+def _released(rank):
+    from reshard_cli.transfer.comm import WORLD
+    from reshard_cli.transfer.shm import ShmComm
+
+    comm = ShmComm(WORLD)
+    mapped = []
+    for step in range(3):  # a refit in staging groups: each group's staging given back, a new one taken
+        if rank == 0:
+            buf = comm.staging(4096, torch.device("cpu"))
+            buf.view(torch.float32)[:4] = step
+            comm.isend(buf[:16].view(torch.float32), 1).wait()
+            comm.release(buf)
+        else:
+            x = torch.empty(4)
+            comm.irecv(x, 0).wait()
+            assert torch.equal(x, torch.full((4,), float(step)))
+            mapped.append(sorted(n for _p, n in comm._peer_seg))
+        WORLD.barrier()
+    comm.close()
+    return mapped
+
+
+def test_segments_given_back_are_unmapped_by_their_receivers():
+    """A receiver keeps a sender's staging mapped between messages, and drops it once the sender gave it back
+    (else every staging group of every refit would stay in memory until the receiver closed)."""
+    assert _two(_released)[1] == ("ok", [[1], [2], [3]])
+
+
 def test_files_of_dead_processes_are_swept(tmp_path):
     from reshard_cli.transfer.shm import ROOT, sweep
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.transfer.agree import gather_failures, one_line
+from reshard_cli.transfer.shm import usable
 from reshard_cli.transfer.comm import STALL, WORLD, world_guard
 from reshard_cli.transfer.watchdog import GroupBroken, Guard
 
@@ -117,6 +118,8 @@ def pick_backend(choice: str, transport: str = "auto") -> str:
         raise ConfigError(f"unknown backend {choice!r} (auto, gloo, nccl)", key="--backend")
     if transport not in ("auto", "gloo", "nccl", "shm"):
         raise ConfigError(f"unknown transport {transport!r} (auto, gloo, nccl, shm)", key="--transport")
+    if transport == "shm" and (why := usable()):
+        raise ConfigError(why, key="--transport")
     wants = {"shm": "gloo"}.get(transport, transport)
     if wants != "auto":
         if choice not in ("auto", wants):

@@ -53,7 +53,9 @@ POLL = 0.25  # seconds between two looks at the watchdog and the peers' processe
 TIMEOUT = 300.0  # seconds a wait may go without progress when the group has no watchdog
 _Q = struct.Struct("q")
 _DESC = struct.Struct("qqqq")  # segment number, offset, bytes, kind (0: kept segment, 1: a send's own copy)
-_HEAD = 64  # control file header (magic); then per peer: sent, taken, SLOTS descriptors
+RELEASED = 32  # the last segments a rank gave back, told to its receivers (which unmap them)
+_RELEASED_AT = 16  # in the control file: after the magic, the count of segments given back, then their ring
+_HEAD = _RELEASED_AT + 8 + 8 * RELEASED  # then per peer: sent, taken, SLOTS descriptors
 _PER_PEER = 16 + SLOTS * _DESC.size
 _MAGIC = b"reshard-shm-1\0\0\0"
 _NAME = re.compile(r"^reshard-shm-[0-9a-f]+-p(\d+)-r\d+-[a-z]\d+$")
@@ -181,15 +183,15 @@ class ShmComm:
     one_sided = True  # the engine packs every send into `staging` (see `transfer.engine`)
 
     def __init__(self, inner, *, timeout: float | None = None):
-        why = usable()
-        if why:
-            raise ConfigError(why, key="--transport")
         self.inner = inner
         self.rank, self.size = inner.rank, inner.size
         self.timeout = timeout or getattr(inner, "timeout", None) or TIMEOUT
         token = uuid.uuid4().hex[:12]
-        me = (host_key(), os.getpid(), token)
+        me = (host_key(), os.getpid(), token, usable())
         infos = inner.all_gather_object(me, what="setting up shared memory")
+        refused = [(r, info[3]) for r, info in enumerate(infos) if info[3]]
+        if refused:  # every rank says the same line, none waits on a transport that will not form
+            raise ConfigError(f"rank {refused[0][0]}: {refused[0][1]}", key="--transport")
         host = me[0]
         self.local = frozenset(r for r, info in enumerate(infos) if info[0] == host)
         self.pids = {r: infos[r][1] for r in self.local}
@@ -204,6 +206,7 @@ class ShmComm:
         self._segments: dict[int, _Segment] = {}  # number -> this rank's kept segments
         self._peer_ctl: dict[int, _Segment] = {}
         self._peer_seg: dict[tuple, _Segment] = {}  # (peer, number) -> a peer's kept segment, mapped
+        self._released_seen = [0] * self.size  # how many of each peer's given-back segments this rank unmapped
         self._sent = [0] * self.size  # descriptors written to each peer
         self._taken = [0] * self.size  # descriptors taken from each peer
         self._recvs: dict[int, list[_Recv]] = {}  # peer -> posted receives, oldest first
@@ -258,12 +261,34 @@ class ShmComm:
         return seg.data[:nbytes]
 
     def release(self, buf: torch.Tensor) -> None:
-        """Give back a segment `staging` returned (its receivers have taken every message of it)."""
+        """Give back a segment `staging` returned (its receivers have taken every message of it): unlinked, and
+        told to the receivers, which unmap it (a refit in staging groups gives one back per group)."""
         for n, seg in list(self._segments.items()):
             if seg.ptr == buf.data_ptr():
                 del self._segments[n]
                 self._drop(seg)
+                count = _Q.unpack_from(self.ctl.map, _RELEASED_AT)[0]
+                _Q.pack_into(self.ctl.map, _RELEASED_AT + 8 + 8 * (count % RELEASED), n)
+                _Q.pack_into(self.ctl.map, _RELEASED_AT, count + 1)  # after the number: readers see it then
                 return
+
+    def _unmap_released(self, peer: int) -> None:
+        """Drop this rank's mappings of the segments `peer` gave back (all of its kept ones, when more were given
+        back than its control file remembers: they are mapped again when next used)."""
+        theirs = self._their_ctl(peer)
+        count = _Q.unpack_from(theirs, _RELEASED_AT)[0]
+        seen = self._released_seen[peer]
+        if count == seen:
+            return
+        if count - seen > RELEASED:
+            gone = {n for (p, n) in self._peer_seg if p == peer}
+        else:
+            gone = {_Q.unpack_from(theirs, _RELEASED_AT + 8 + 8 * (i % RELEASED))[0] for i in range(seen, count)}
+        for n in gone:
+            seg = self._peer_seg.pop((peer, n), None)
+            if seg is not None:
+                seg.close()
+        self._released_seen[peer] = count
 
     def close(self) -> None:
         """Unlink this rank's files and drop every mapping (peers keep theirs until they close)."""
@@ -385,6 +410,7 @@ class ShmComm:
             finally:
                 seg.close()
         else:
+            self._unmap_released(peer)
             seg = self._peer_seg.get((peer, n))
             if seg is None:
                 seg = self._peer_seg[(peer, n)] = _Segment(self._path("d", n, peer, self.pids[peer]))

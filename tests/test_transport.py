@@ -35,9 +35,13 @@ def local_shards(src, dst, rank: int, ref) -> tuple[dict, dict]:
 
 
 def _comm(transport: str):
+    """gloo; shm (every pair over shared memory); or "mixed": only the pairs among ranks 0-2 over shared
+    memory, the others over gloo, as for ranks on two hosts (one-sided with some peers, two-sided with others)."""
     from reshard_cli.transfer.comm import WORLD
-    from reshard_cli.transfer.shm import with_transport
+    from reshard_cli.transfer.shm import ShmComm, with_transport
 
+    if transport == "mixed":
+        return ShmComm(WORLD, ranks={0, 1, 2})
     return with_transport(WORLD, transport, torch.device("cpu"))
 
 
@@ -77,7 +81,7 @@ def _refit(rank, world, src_path, dst_path, modes, topologies, bucket_bytes, dir
     return failures
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
+@pytest.mark.parametrize("transport", ["gloo", "shm", "mixed"])
 @pytest.mark.parametrize("pair,world", [("tp2_to_tp3", 5), ("pp2_ep2_to_dp2_tp2", 8), ("nested_dp_to_ep", 8)])
 def test_every_mode_exact(tmp_path, pair, world, transport):
     src_path, dst_path = write_pair(tmp_path, pair)

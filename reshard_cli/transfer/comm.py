@@ -64,8 +64,11 @@ class _Comm:
     _links = 0  # engine set-ups linked so far (collective: the same count on every rank)
     _linked: frozenset = frozenset()  # the peers this rank's transport is set up with
 
-    one_sided = False  # a transport whose receiver takes a message from the sender's memory (`transfer.shm`); it
-    # has `itake(nbytes, peer, consume)` and wants every send from `staging`
+    def one_sided_with(self, peer: int) -> bool:
+        """Whether this comm's messages with `peer` are one-sided: its receiver takes them from the sender's
+        memory (`transfer.shm`), so a sender packs them into `staging` and a receiver unpacks them where they
+        lie (`itake(nbytes, peer, consume)`). Two-sided here."""
+        return False
 
     def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """`nbytes` of staging for messages (a one-sided transport's: memory its receivers can read)."""

@@ -147,7 +147,7 @@ class Engine:
         t, box, _ = op.items[0]
         if self.codec.encoded(t, box):  # encoded on the way: always through a message buffer
             return None
-        if op.send and self.comm.one_sided:  # its receiver reads the staging: packed there, one copy as any
+        if op.send and self.comm.one_sided_with(op.peer):  # its receiver reads the staging: packed there
             return None
         # a forward reads what this rank received; a phase-0 send reads the source
         v = (self._dst_view if op.after is not None or not op.send else self._src_view)(t, box)
@@ -155,7 +155,7 @@ class Engine:
 
     def _taken(self, op) -> bool:
         """A received message a one-sided transport lets this rank unpack where its sender left it."""
-        return not op.send and self.comm.one_sided and self._direct(op) is None
+        return not op.send and self.comm.one_sided_with(op.peer) and self._direct(op) is None
 
     def _staging_ring(self) -> "_Ring":
         if self._ring is None:

@@ -180,9 +180,9 @@ class ShmComm:
     Collective to make (every rank of the group, same order). Everything but `isend`, `irecv`, `broadcast`,
     `new_group`, `staging` and `connect` is `inner`'s."""
 
-    one_sided = True  # the engine packs every send into `staging` (see `transfer.engine`)
-
-    def __init__(self, inner, *, timeout: float | None = None):
+    def __init__(self, inner, *, timeout: float | None = None, ranks=None):
+        """`ranks`: carry only the pairs among these (and on one host) over shared memory; None: every pair on
+        one host."""
         self.inner = inner
         self.rank, self.size = inner.rank, inner.size
         self.timeout = timeout or getattr(inner, "timeout", None) or TIMEOUT
@@ -193,7 +193,8 @@ class ShmComm:
         if refused:  # every rank says the same line, none waits on a transport that will not form
             raise ConfigError(f"rank {refused[0][0]}: {refused[0][1]}", key="--transport")
         host = me[0]
-        self.local = frozenset(r for r, info in enumerate(infos) if info[0] == host)
+        self.local = frozenset(r for r, info in enumerate(infos) if info[0] == host
+                               and (ranks is None or (r in ranks and self.rank in ranks)))
         self.pids = {r: infos[r][1] for r in self.local}
         self.group = infos[0][2]  # rank 0's token names the group's files
         if self.rank == 0:
@@ -226,6 +227,11 @@ class ShmComm:
     @property
     def guard(self):
         return self.inner.guard
+
+    def one_sided_with(self, peer: int) -> bool:
+        """Whether messages with `peer` are one-sided (its receiver takes them from the sender's `staging`, see
+        `transfer.engine`): a peer on this host; the others go through the wrapped comm."""
+        return peer in self.local
 
     @property
     def device(self):

@@ -16,6 +16,7 @@ no write read are `unplaced`.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class Tracer:
         self.sources: dict[int, str] = {}
         self.derived: dict[int, tuple] = {}  # storage -> (geometry, Map | Mixed)
         self.writes: list[Write] = []
+        self.by_param: dict[str, list] = {}
         self.read: set[str] = set()
         self.keep: list = []  # every tensor keyed on stays alive: a storage's address is not reused
         self.turn: str | None = None
@@ -125,7 +127,7 @@ class Tracer:
         into exactly this view, else the sources of every write into the parameter so far."""
         name, base = self.params[_key(t)]
         off, sizes, strides = _geometry(t)
-        mine = [w for w in self.writes if w.param == name]
+        mine = self.by_param.get(name, [])
         for w in reversed(mine):
             if (w.offset, w.sizes, w.strides) == (off - base, sizes, strides) and isinstance(w.what, Map):
                 return w.what
@@ -144,6 +146,7 @@ class Tracer:
             if isinstance(what, Map) and what.sizes != sizes:
                 what = _broadcast(what, sizes)
             self.writes.append(Write(name, off - base, sizes, strides, what, self.turn))
+            self.by_param.setdefault(name, []).append(self.writes[-1])
         elif what is not None:
             self.derived[k] = (_geometry(dst), what)
             self.keep.append(dst)
@@ -151,14 +154,13 @@ class Tracer:
     def result(self, func, args: tuple, out) -> None:
         """Provenance of an op's fresh output from its inputs'."""
         inputs = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
-        provs = [p for p in (self.prov(a) for a in inputs) if p is not None]
+        keys = {_key(a) for a in inputs}
+        outs = [o for o in _flat([out]) if isinstance(o, torch.Tensor) and _key(o) not in keys]  # not views
+        provs = [p for p in (self.prov(a) for a in inputs) if p is not None] if outs else []
         if not provs:
             return
         name = func.overloadpacket.__name__
-        outs = [o for o in _flat([out]) if isinstance(o, torch.Tensor)]
         for o in outs:
-            if any(_key(o) == _key(a) for a in inputs):
-                continue  # a view: its storage already says where it comes from
             if name in ELEMENTWISE and len(provs) == 1 and isinstance(provs[0], Map) and len(inputs) == 1 \
                     and tuple(o.shape) == provs[0].sizes:
                 p = provs[0]
@@ -414,7 +416,9 @@ def _merge(boxes: list) -> list:
 def _pieces(writes: list, pshape: tuple, shapes: dict) -> list:
     """The parameter's final state as disjoint boxes [(lo, hi, label)], later writes over earlier ones. A
     copy's label is ('copy', source, chain, translation per aligned dim pair, source leading coordinates)."""
-    out: list = []
+    out: list = []  # [lo, hi, label] or None once cut
+    starts: list = []  # (lo[0], index into out), sorted: the candidates an overlap is looked for among
+    reach = 1  # the longest extent along dim 0 of any piece
     for w in writes:
         m = w.what if isinstance(w.what, Map) else None
         sshape = shapes[m.source] if m else None
@@ -427,10 +431,23 @@ def _pieces(writes: list, pshape: tuple, shapes: dict) -> list:
                 label = ("mixed", w.what.sources, w.turn)
             else:
                 label = ("fill", w.what, w.turn)
-            out = [(a, b, lab) for plo, phi, lab in out
-                   for a, b in (_minus(plo, phi, lo, hi) if _overlaps(plo, phi, lo, hi) else [(plo, phi)])]
-            out.append((lo, hi, label))
-    return out
+            lo0, hi0 = (lo[0], hi[0]) if lo else (0, 1)
+            for _s, i in starts[bisect.bisect_left(starts, (lo0 - reach + 1, -1)):bisect.bisect_left(starts, (hi0, -1))]:
+                if out[i] is not None and _overlaps(out[i][0], out[i][1], lo, hi):
+                    plo, phi, lab = out[i]
+                    out[i] = None
+                    for a, b in _minus(plo, phi, lo, hi):
+                        reach = _add(out, starts, (a, b, lab), reach)
+            reach = _add(out, starts, (lo, hi, label), reach)
+    return [p for p in out if p is not None]
+
+
+def _add(out: list, starts: list, piece: tuple, reach: int) -> int:
+    """`piece` appended to `out` and indexed in `starts`; the new longest extent along dim 0."""
+    lo, hi = piece[0], piece[1]
+    out.append(piece)
+    bisect.insort(starts, (lo[0] if lo else 0, len(out) - 1))
+    return max(reach, hi[0] - lo[0] if lo else 1)
 
 
 def _overlaps(lo, hi, blo, bhi) -> bool:

@@ -432,7 +432,8 @@ def _pieces(writes: list, pshape: tuple, shapes: dict) -> list:
             else:
                 label = ("fill", w.what, w.turn)
             lo0, hi0 = (lo[0], hi[0]) if lo else (0, 1)
-            for _s, i in starts[bisect.bisect_left(starts, (lo0 - reach + 1, -1)):bisect.bisect_left(starts, (hi0, -1))]:
+            near = starts[bisect.bisect_left(starts, (lo0 - reach + 1, -1)):bisect.bisect_left(starts, (hi0, -1))]
+            for _s, i in near:
                 if out[i] is not None and _overlaps(out[i][0], out[i][1], lo, hi):
                     plo, phi, lab = out[i]
                     out[i] = None

@@ -23,9 +23,6 @@ from test_vllm_derive import JUDGED  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-FULL_SIZE_SECONDS = 120  # a generous bound: about 15 s on two shared CPU cores, vLLM's import included
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("family", list(JUDGED))
 def test_the_meta_trace_is_the_data_derivation(family, tp):
@@ -65,14 +62,14 @@ def _full_size(tmp_path, model: str, tp: int):
 
 
 def test_deepseek_v3_at_full_size(tmp_path):
-    """DeepSeek-V3 (61 layers, 256 experts, MLA) at TP8, rank 3: traced in seconds, equal to the hand rules."""
+    """DeepSeek-V3 (61 layers, 256 experts, MLA) at TP8, rank 3: traced without data (its time is printed, not
+    asserted), equal to the hand rules."""
     config, layout = _full_size(tmp_path, "deepseek-v3", 8)
     ckpt = {t.name: t.shape for t in layout.manifest.tensors}
     t0 = time.perf_counter()
     d = derive_meta(config, tp_size=8, tp_rank=3, checkpoint=ckpt)
     seconds = time.perf_counter() - t0
     print(f"DeepSeek-V3 TP8 rank 3 traced on meta in {seconds:.1f} s ({len(d.params)} parameters)")
-    assert seconds < FULL_SIZE_SECONDS
     assert compare(d, layout, 3) == []
     (q,) = d.params["model.layers.3.self_attn.q_b_proj.weight"].copies  # 128 heads x 192 rows, 16 heads a rank
     assert (q.offsets, q.sizes, q.region) == ((3 * 3072, 0), (3072, 1536), (slice(0, 3072), slice(0, 1536)))

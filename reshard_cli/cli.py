@@ -18,6 +18,7 @@ from reshard_cli.base.text import fmt_bytes, table, write_json, write_json_optio
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
 from reshard_cli.formats import load_pair
 from reshard_cli.hw import nvml
+from reshard_cli.layouts.models import not_refit
 from reshard_cli.plan.cost import plan_prediction, with_auto_routes
 from reshard_cli.plan.groups import stage_groups, staging
 from reshard_cli.plan.fleet import fleet_figures, fleet_of, loss_figures
@@ -111,6 +112,7 @@ def _plan(src, dst, topology, mode, reshard_match, json_out, pieces_out, rank, s
     if fp8 is not None:  # an FP8 engine: where its blocks are quantized, the wire beside a BF16 refit's
         stats["fp8"] = fp8
     stats["plan_seconds"] = time.perf_counter() - t1  # with the figures above
+    stats["not_refit"] = not_refit(p.src.manifest.config)  # a checkpoint's MTP layers, named: never dropped silently
     typer.echo(plan_text(stats))
     cost_text, cost_doc = plan_prediction(p)
     if cost_text:

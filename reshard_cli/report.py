@@ -33,6 +33,7 @@ def plan_text(s: dict) -> str:
         *_storage_lines(s.get("trainer"), s.get("engine"), s.get("staging")),
         *_fleet_lines(s.get("fleet")),
         *_fp8_lines(s.get("fp8")),
+        *(f"  not refit     {line}" for line in s.get("not_refit", ())),
         "",
         table(["path", "tensors", "bytes", "wire", "in-domain", "pieces"],
               [[p, v["tensors"], fmt_bytes(v["bytes"]), fmt_bytes(v["wire_bytes"]), fmt_bytes(v["indomain_bytes"]),

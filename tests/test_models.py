@@ -354,3 +354,41 @@ def test_diff():
     assert a.diff(reordered) == [] and reordered.index("x") == 2
     with pytest.raises(ValueError, match="twice"):
         Manifest("d", (a.tensors[0], a.tensors[0]), "test", {})
+
+
+def test_multi_token_prediction_layers_are_named_not_refit(tmp_path):
+    """A checkpoint's MTP layers are not in the refit's manifest (vLLM loads them into its speculative draft):
+    `reshard plan` names them, in its text and its JSON, instead of leaving them out silently."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from reshard_cli.layouts.models import not_refit
+
+    assert not_refit({"num_nextn_predict_layers": 1, "num_hidden_layers": 61}) == [
+        "1 multi-token-prediction layer(s) (num_nextn_predict_layers: model.layers.61): not in the refit's manifest; "
+        "a vLLM engine that speculates with them keeps the draft's weights from its own load"]
+    assert "model.layers.61-63" in not_refit({"num_nextn_predict_layers": 3, "num_hidden_layers": 61})[0]
+    assert "mtp.*" in not_refit({"mtp_num_hidden_layers": 1})[0] and "model.mtp.*" in not_refit({"num_mtp_modules": 3})[0]
+    assert not_refit({"num_nextn_predict_layers": 0}) == not_refit(None) == not_refit({"num_mtp_modules": True}) == []
+    root = Path(__file__).resolve().parents[1]
+    assert json.loads((root / "layouts/models/deepseek-v3.json").read_text())["num_nextn_predict_layers"] == 1
+    js = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "reshard_cli", "plan", "--src", "layouts/demo/train.yaml", "--dst",
+                        "layouts/demo/infer.yaml", "--json", js], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "not refit" not in r.stdout and json.loads(js.read_text())["not_refit"] == []
+    model = tmp_path / "mtp.json"  # a tiny DeepSeek-V3 with one MTP layer
+    model.write_text(json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                                 "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+                                 "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4,
+                                 "n_shared_experts": 1, "num_experts_per_tok": 2, "num_attention_heads": 4,
+                                 "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+                                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 256,
+                                 "num_nextn_predict_layers": 1, "tie_word_embeddings": False}))
+    for name in ("src.yaml", "dst.yaml"):
+        (tmp_path / name).write_text(f"model: {model}\nmesh: {{tp: 2}}\n")
+    r = subprocess.run([sys.executable, "-m", "reshard_cli", "plan", "--src", tmp_path / "src.yaml", "--dst",
+                        tmp_path / "dst.yaml", "--json", js], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "not refit     1 multi-token-prediction layer(s) (num_nextn_predict_layers: model.layers.2)" in r.stdout
+    assert json.loads(js.read_text())["not_refit"] == not_refit({"num_nextn_predict_layers": 1, "num_hidden_layers": 2})

@@ -401,6 +401,30 @@ ARCHITECTURES: dict[str, tuple[_Part, _Part]] = {
 }
 
 
+MTP_KEYS = {  # config key -> where a family keeps its multi-token-prediction modules in the checkpoint
+    "num_nextn_predict_layers": None,  # model.layers.<num_hidden_layers>..: DeepSeek-V3/V3.2, Kimi-K2, GLM-4 MoE
+    "mtp_num_hidden_layers": "mtp.*",  # Qwen3-Next, Qwen3.5
+    "num_mtp_modules": "model.mtp.*",  # MiniMax-M2
+}
+
+
+def not_refit(config: dict | None) -> list[str]:
+    """What a checkpoint of `config` holds that a refit does not move, each as one line: its multi-token
+    prediction modules (vLLM loads them into its speculative draft model, which then keeps its own weights).
+    Named in `reshard plan` and in an engine's refit report, never dropped silently."""
+    config, out = config or {}, []
+    for key, where in MTP_KEYS.items():
+        n = config.get(key)
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            continue
+        if where is None:
+            first = int(config.get("num_hidden_layers") or 0)
+            where = f"model.layers.{first}" + (f"-{first + n - 1}" if n > 1 else "")
+        out.append(f"{n} multi-token-prediction layer(s) ({key}: {where}): not in the refit's manifest; a vLLM "
+                   f"engine that speculates with them keeps the draft's weights from its own load")
+    return out
+
+
 def manifest_from_hf_config(config: dict, *, name: str, dtype: str | None = None, source: str = "") -> Manifest:
     """The tensors of the HF checkpoint described by `config` (a config.json dict).
 

@@ -141,6 +141,13 @@ def worker_place(parallel_config, rank: int) -> tuple[int, int]:
     return rank % per, int(dp)
 
 
+def speculative_method(vllm_config) -> str | None:
+    """The engine's speculative decoding method (`--speculative-config`: "mtp", "deepseek_mtp", "eagle", ...),
+    None without one."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return str(getattr(spec, "method", None) or "") or None if spec is not None else None
+
+
 def llm_replicas(llm) -> int:
     """The data-parallel ranks an `LLM` in this process runs (each a replica of the model)."""
     return int(llm.llm_engine.vllm_config.parallel_config.data_parallel_size)

@@ -132,6 +132,20 @@ def _worker_line(w: dict) -> str:
             f"{fmt_bytes(w.get('peak_staged_bytes') or 0)}")
 
 
+def _fp8_lines(doc: dict, plan: Plan, stats: dict) -> list[str]:
+    """`engine_report`'s line (and JSON key, into `doc`) for an FP8 engine: where its blocks were quantized."""
+    fp8 = fp8_figures(plan, stats)
+    if fp8 is not None:
+        doc["fp8"] = {k: fp8[k] for k in ("scheme", "sender_share", "sender_quantized_bytes",
+                                          "receiver_quantized_bytes", "unquantized_bytes", "wire_bytes",
+                                          "bf16_wire_bytes")}
+        where = ("whole blocks quantized by the trainer, cut blocks in BF16 quantized by the workers" if fp8["block"]
+                 else "BF16, quantized by the workers with the maximum every rank agreed")
+        return [f"  fp8 engine ({fp8['scheme']}): {where}; the plan's wire {fmt_bytes(fp8['wire_bytes'])}, "
+                f"a BF16 engine's {fmt_bytes(fp8['bf16_wire_bytes'])}"]
+    return []
+
+
 def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], world: int,
                   down: dict | None = None) -> RunReport:
     """Rank 0's table for a push into a running engine (or a fleet of them), and its JSON twin."""
@@ -164,15 +178,9 @@ def engine_report(opts: RunOptions, plan: Plan, url: str, reports: list[dict], w
              f"iters {opts.iters}{' (median after warm-up)' if opts.iters > 1 else ''}",
              table(["path", "tensors", "bytes", "wire", "forwarded", "time ms", "GB/s", "#wrong"], rows)]
     lines += _members_lost(doc, reports, down)
-    fp8 = fp8_figures(plan, stats)
-    if fp8 is not None:
-        doc["fp8"] = {k: fp8[k] for k in ("scheme", "sender_share", "sender_quantized_bytes",
-                                          "receiver_quantized_bytes", "unquantized_bytes", "wire_bytes",
-                                          "bf16_wire_bytes")}
-        where = ("whole blocks quantized by the trainer, cut blocks in BF16 quantized by the workers" if fp8["block"]
-                 else "BF16, quantized by the workers with the maximum every rank agreed")
-        lines.append(f"  fp8 engine ({fp8['scheme']}): {where}; the plan's wire {fmt_bytes(fp8['wire_bytes'])}, "
-                     f"a BF16 engine's {fmt_bytes(fp8['bf16_wire_bytes'])}")
+    doc["not_refit"] = sorted({line for w in workers for line in w.get("not_refit") or ()})
+    lines += [f"  not refit: {line}" for line in doc["not_refit"]]  # the engine's speculative draft, named
+    lines += _fp8_lines(doc, plan, stats)
     if fleet:
         lines.append(f"  fleet: {fleet['replicas']} replica(s) x {fleet['workers_per_replica']} worker(s); the trainer "
                      f"sent {fmt_bytes(doc['wire_bytes'])} (plan {fmt_bytes(fleet['wire_bytes'])}, minimum "

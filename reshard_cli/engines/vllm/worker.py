@@ -46,6 +46,7 @@ from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
 from reshard_cli.plan.groups import stage_budget_mb
 from reshard_cli.errors import ConfigError, ReshardError
+from reshard_cli.layouts.models import not_refit
 from reshard_cli.plan.fleet import fleet_of
 from reshard_cli.transfer.comm import abort_group, refit_group
 from reshard_cli.transfer.live import Refit, RefitFailed
@@ -199,8 +200,18 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
                 "forwarded_bytes": rs.bytes_sent, "checksum": rs.checksum,
                 "processed_bytes": self.target.staged_bytes, "processing_seconds": self.target.processing_seconds,
                 "checksums_ok": rs.checksums_ok, "groups": rs.groups, "committed_groups": rs.groups,
-                "first_group": rs.first_group,
+                "first_group": rs.first_group, "not_refit": self._not_refit(),
                 **self.staging}
+
+    def _not_refit(self) -> list[str]:
+        """What this engine computes with that the refit does not move: a speculative draft's weights (its
+        MTP layers, or a draft model of its own), named in every update's numbers."""
+        method = compat.speculative_method(self.vllm_config)
+        if method is None:
+            return []
+        mtp = not_refit(self.dst.manifest.config)
+        return mtp or [f"the speculative draft ({method}): its weights are not in the refit's manifest and stay as "
+                       f"the engine loaded them"]
 
     def _staging(self) -> dict:
         """What this update staged: the measured peak, the budget, the largest layer and group, all the

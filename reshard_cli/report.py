@@ -100,6 +100,11 @@ def _storage_lines(trainer: dict | None, engine: dict | None, stage: dict | None
                      f"place: {fmt_bytes(e['direct_bytes'])} of {fmt_bytes(e['checkpoint_bytes'])} "
                      f"({pct(e['direct_bytes'], e['checkpoint_bytes'])}), padding {fmt_bytes(e['padding_bytes'])} "
                      f"untouched")
+        if e.get("derived"):
+            lines.append("                placed as vLLM's own loaders place it (a storage map derived from them)")
+        if e.get("staged_bytes"):
+            lines.append(f"                staged, then written as vLLM's loader writes them (several regions, a "
+                         f"transform or a cast): {fmt_bytes(e['staged_bytes'])} in {e['staged_tensors']} tensors")
     if stage:
         lines.append(f"  staging       {stage['stage_mb']:g} MiB per worker: {stage['groups']} group(s) of whole "
                      f"layers, at most {fmt_bytes(stage['peak_bytes'])} in checkpoint format at once, against "

@@ -17,6 +17,8 @@ class View:
     tensor: int
     box: object  # base.geometry.Box
     region: tuple  # slices into the engine tensor
+    transform: str | None = None  # None: the box is written straight into the region; else the box lands in a
+    # staging buffer and is written through this function of `formats.derived.TRANSFORM_NAMES` ("copy": as is)
 
 
 @dataclass(frozen=True)

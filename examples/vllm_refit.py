@@ -54,6 +54,26 @@ CONFIGS = {
                   head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
                   tie_word_embeddings=True),
 }
+_MAMBA = dict(architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=1000, hidden_size=128,
+              layers_block_type=["mamba", "attention", "mamba", "mlp"], num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, intermediate_size=256, mlp_hidden_act="relu2", ssm_state_size=16, mamba_num_heads=8,
+              mamba_head_dim=16, n_groups=2, conv_kernel=4, use_conv_bias=True, mamba_proj_bias=False, chunk_size=64,
+              layer_norm_epsilon=1e-5, max_position_embeddings=512, tie_word_embeddings=False)
+CONFIGS.update({
+    # hybrids vLLM's own loaders place (formats.derived): Mamba-2 + attention + MLP, B/C groups 2 (dividing TP2)
+    # and 1 (copied to both TP ranks); gated delta net + attention + MoE with a shared expert
+    "nemotron-h": _MAMBA,
+    "nemotron-h-g1": dict(_MAMBA, n_groups=1),
+    "qwen3-next": dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=1000,
+                       hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                       linear_num_value_heads=4, decoder_sparse_step=1, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                       mlp_only_layers=[], max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       tie_word_embeddings=False),
+})
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8], [900, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 NEW_TOKENS = 12
 SRC_LAYOUT = """model: {config}
@@ -100,11 +120,24 @@ class Trainer:
         self.rank = rank
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
-        for layer in self.model.model.layers:
+        layers = next(m for n, m in self.model.named_modules() if n.endswith("layers")
+                      and isinstance(m, torch.nn.ModuleList))  # model.layers, a NemotronH's backbone.layers
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.config = self.model.config
+        self.saved_name = self._saved_names()
+
+    def _saved_names(self) -> dict:
+        """In-memory parameter name -> the name `save_pretrained` writes (transformers 5 renames some on save:
+        a NemotronH's `model.` is `backbone.` on disk), from transformers' own `revert_weight_conversion`."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = {n: torch.empty(p.shape, device="meta") for n, p in self.model.named_parameters()
+                 if ".mlp.experts." not in n}  # fused experts: split per expert by `checkpoint_tensors`
+        owner = {id(t): n for n, t in state.items()}
+        return {owner[id(t)]: n for n, t in revert_weight_conversion(self.model, dict(state)).items() if id(t) in owner}
 
     def step(self, step: int) -> float:
         """One AdamW step on a fixed batch (so the loss goes down); returns the loss before the step."""
@@ -123,7 +156,7 @@ class Trainer:
         for name, p in self.model.named_parameters():
             m = re.match(r"(?P<pre>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$", name)
             if m is None:
-                out[name] = p
+                out[self.saved_name.get(name, name)] = p
                 continue
             local = p.to_local()
             first = self.rank * -(-p.shape[0] // 2)  # Shard(0): rank r holds experts [r*ceil(E/2), ...)

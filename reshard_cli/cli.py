@@ -284,6 +284,39 @@ def check(
 
 
 @app.command()
+def derive(
+    dst: Path = DstOpt,
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write what was derived as JSON."),
+):
+    """Learn where vLLM keeps a model it has no hand rules for, from vLLM's own loaders (needs vLLM), and
+    cache it: planning and refitting that layout then need no vLLM (`formats.derived`)."""
+    from reshard_cli.formats import derived
+
+    layout = formats.load_layout(dst)
+    if layout.format != "vllm":
+        raise ConfigError(f"`reshard derive` learns vLLM's storage; this layout has format: {layout.format}",
+                          file=str(dst), key="format")
+    if derived.known(layout):
+        typer.echo(f"{layout.manifest.config.get('model_type')}: placed by reshard's hand rules for vLLM (checked "
+                   f"against vLLM's loaders in the tests); nothing to derive")
+        return
+    m = derived.map_of(layout)
+    ranks = [get_summary(layout, r) for r in layout.ranks[: m["tp"]]]
+    typer.echo(f"{layout.manifest.config.get('model_type')} at tp {m['tp']}: vLLM {m['vllm']}'s loaders place every "
+               f"checkpoint tensor ({m.get('seconds', 0):.1f} s to derive; cached in {derived.cache_dir()})")
+    typer.echo(table(["rank", "engine tensors", "written in place", "staged", "staged tensors"],
+                     [[s["rank"], s["engine_tensors"], fmt_bytes(s["direct_bytes"]), fmt_bytes(s["staged_bytes"]),
+                       s["staged_tensors"]] for s in ranks]))
+    if json_out:
+        write_json_option("--json", json_out, {"model_type": layout.manifest.config.get("model_type"), "tp": m["tp"],
+                                               "vllm": m["vllm"], "seconds": m.get("seconds"), "ranks": ranks})
+
+
+def get_summary(layout, rank: int) -> dict:
+    return formats.get(layout.format).summary(layout, rank)
+
+
+@app.command()
 def topo(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the discovery (and bandwidths) as JSON."),
     yaml_out: Optional[Path] = typer.Option(None, "--yaml", help="Write the topology YAML that plan/run --topology take."),

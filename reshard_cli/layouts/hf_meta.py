@@ -113,6 +113,21 @@ def _checkpoint_dtype(torch: Any, config: dict, file: str) -> Any:
     return torch.bfloat16
 
 
+_FLOATS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def _special_floats(obj: Any) -> Any:
+    """A config.json as transformers' `save_pretrained` writes it, with the floats JSON cannot hold written as
+    `{"__float__": "Infinity"}` (a NemotronH's `time_step_limit`), read back as floats, as its loader does."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in _FLOATS:
+            return _FLOATS[obj["__float__"]]
+        return {k: _special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_special_floats(v) for v in obj]
+    return obj
+
+
 def build_meta_model(config: dict, file: str) -> Any:
     """The transformers model for a config.json dict, on the meta device, in the checkpoint dtype, not initialized.
 
@@ -127,7 +142,7 @@ def build_meta_model(config: dict, file: str) -> Any:
         raise ConfigError(f"model_type {model_type!r} is unknown to transformers {transformers.__version__}",
                           file=file, key="model_type")
     config_class = CONFIG_MAPPING[model_type]
-    raw = {k: v for k, v in config.items() if k != "quantization_config"}
+    raw = _special_floats({k: v for k, v in config.items() if k != "quantization_config"})
     try:
         hf_config = config_class.from_dict(raw)
     except Exception as e:  # the config class validates: bad values come back as TypeError / ValueError

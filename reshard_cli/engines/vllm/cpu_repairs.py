@@ -4,7 +4,11 @@ reproduction (docs/upstream/):
 - `repack_experts`: on CPU, MoE experts are not repacked after a weight update, even by vLLM's own
   `reload_weights` (docs/upstream/cpu-moe-experts-not-repacked.md);
 - `tied_modules` / `reprocess_tied`: a module tied to a reloaded one (a tied lm_head shares the embedding's
-  parameter) is not processed again (docs/upstream/tied-module-not-reprocessed.md).
+  parameter) is not processed again (docs/upstream/tied-module-not-reprocessed.md);
+- `view_buffers` / `resync_views`: a buffer vLLM registers at construction as a view of a parameter (Mamba-2's
+  `conv_weights`, its `conv1d.weight` as [C, K], which its kernels compute with) keeps the first load's values
+  once the parameter is replaced by processing, so an update of the parameter never reaches it, on vLLM's
+  own reload path too (docs/upstream/mamba-conv-weights-stale-after-reload.md).
 """
 from __future__ import annotations
 
@@ -34,3 +38,37 @@ def reprocess_tied(modules) -> None:
     """vLLM's post-processing again on each tied module, once the new values are in."""
     for module in modules:
         compat.process_after_loading(module)
+
+
+def view_buffers(model) -> list[tuple]:
+    """(owner module, buffer name, module, parameter name) for each buffer registered as a view of a
+    parameter of a module below its owner (the view's `_base`), once that parameter has been replaced (vLLM's
+    processing gave the module a new tensor): the one parameter below the owner of the base's dtype and size.
+    A buffer that still shares its parameter's storage, or matches none or several, is left alone."""
+    out = []
+    for owner_name, owner in model.named_modules():
+        for bname, buf in owner._buffers.items():
+            base = getattr(buf, "_base", None)
+            if buf is None or base is None or not buf.is_floating_point() or buf.device.type == "meta":
+                continue
+            held = [(m, n, p) for mname, m in owner.named_modules() for n, p in m.named_parameters(recurse=False)
+                    if p.dtype == buf.dtype and p.numel() == buf.numel()]
+            if any(p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for _m, _n, p in held):
+                continue  # still a view of the live parameter
+            if len(held) == 1:
+                out.append((owner, bname, held[0][0], held[0][1]))
+    return out
+
+
+def resync_views(views: list, modules=None) -> None:
+    """Each of `views` (`view_buffers`) whose parameter's module is in `modules` (all when None) given the
+    parameter's new values in checkpoint layout, in the buffer's shape: where the CPU build prepacked a
+    causal-conv weight, the unpacked copy its processing stashes beside it (`_cpu_unpacked_conv_weight`, what
+    its own fallbacks compute with), else the parameter itself."""
+    ids = None if modules is None else {id(m) for m in modules}
+    for owner, bname, module, pname in views:
+        if ids is None or id(module) in ids:
+            buf = owner._buffers[bname]
+            values = getattr(module, "_cpu_unpacked_conv_weight", None)
+            values = getattr(module, pname).data if values is None else values
+            buf.copy_(values.reshape(buf.shape))

@@ -48,6 +48,7 @@ class EngineTarget(Stage):
         # layers vLLM derives from a staged module's weights (MLA's W_UK_T / W_UV from kv_b_proj): processed
         # again by vLLM's own code once the group holding their source is committed
         self.derived = compat.derived_layers(model, self.staged)
+        self.views = cpu_repairs.view_buffers(model)  # buffers over a replaced parameter: given its new values
         self._check_filled(params)
         engine_q, layout_q = getattr(model_config, "quantization", None), layout.quantization
         if engine_q in ("fp8", "fp8_per_tensor", "fp8_per_block") and engine_q != getattr(layout_q, "method", None):
@@ -83,6 +84,7 @@ class EngineTarget(Stage):
         self.processing_seconds = 0.0
         # every view checked now, against the live parameters and the staged ones' checkpoint-format metadata
         self.format.bind(self._model_format(params), layout, rank, staged=[])
+        self.through_bytes = 0  # this update's bytes that landed in such buffers (not in place)
         self.through: list = []  # the open group's staged checkpoint boxes (`formats.derived.Staged`): landed in
         # buffers of their own, written into the engine's tensors as vLLM's loader writes them (`prepare`)
 
@@ -133,6 +135,7 @@ class EngineTarget(Stage):
 
     def reset_stats(self) -> None:
         self.peak_staged_bytes, self.largest_group_bytes, self.processing_seconds = 0, 0, 0.0
+        self.through_bytes = 0
         device = next((p.device for p in self.model.parameters()), None)
         if device is not None and device.type == "cuda":
             import torch.cuda
@@ -194,6 +197,7 @@ class EngineTarget(Stage):
         self.largest_group_bytes = max(self.largest_group_bytes, sum(et.nbytes for et in tensors))
         buffers = self.format.bind(params, layout, self.rank, staged=self.through)
         self.landing += [st.buffer for st in self.through]
+        self.through_bytes += sum(st.buffer.nbytes for st in self.through)
         self._land_fp8(tensors, params, layout, buffers)
         self.handed, self.maxima = buffers, {}
         self._measure()
@@ -347,6 +351,7 @@ class EngineTarget(Stage):
                 done.append(name)
             for param, copy in copies.values():
                 param.data.copy_(copy)
+            cpu_repairs.resync_views(self.views, modules.values())
         finally:  # a defect: the modules not swapped in stay open, for the abort that follows to put back
             rest = {n: m for n, m in modules.items() if n not in done}
             self.open_group = (rest, {}, {n: saved[n] for n in rest}) if rest else None

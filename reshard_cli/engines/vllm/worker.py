@@ -196,7 +196,8 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
                             resume_layer=update_info.resume_layer)
         finally:
             self.staging = self._staging()
-        return {"bytes_received": rs.bytes_received, "direct_bytes": rs.bytes_received,
+        return {"bytes_received": rs.bytes_received,
+                "direct_bytes": max(0, rs.bytes_received - self.target.through_bytes),  # staged ones: not in place
                 "forwarded_bytes": rs.bytes_sent, "checksum": rs.checksum,
                 "processed_bytes": self.target.staged_bytes, "processing_seconds": self.target.processing_seconds,
                 "checksums_ok": rs.checksums_ok, "groups": rs.groups, "committed_groups": rs.groups,
@@ -229,9 +230,11 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         group up (vLLM refuses the next start until a finish)."""
         self.update_open = False
         if getattr(self, "path", None) == "full":
+            views = cpu_repairs.view_buffers(self.model)  # (before vLLM's finalize swaps the parameters back)
             compat.finish_reload(self.model, self.model_config)
-            for module in self.model.modules():  # vLLM's own update path needs the same repair
+            for module in self.model.modules():  # vLLM's own update path needs the same repairs
                 cpu_repairs.repack_experts(module)
+            cpu_repairs.resync_views(views)
         elif getattr(self, "target", None) is not None:
             self.target.abort()  # nothing open after an update; a start without an update leaves nothing either
 

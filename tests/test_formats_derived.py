@@ -1,0 +1,79 @@
+"""`formats.derived` without vLLM: the placement inferred from the boxes each TP rank loads, checked against
+DTensor's own sharding (`distribute_tensor` on a fake mesh is what `shard_box` is tested against elsewhere;
+here the candidates must reproduce exactly the boxes given, or fall back to replication), a staged box
+written through its transform, the cache's one-line errors."""
+import json
+
+import pytest
+import torch
+
+from reshard_cli.base.geometry import Box, shard_box
+from reshard_cli.errors import ConfigError
+from reshard_cli.formats import derived
+
+
+def _boxes(shape, tp, shard, pad=1) -> dict:
+    out = {}
+    for r in range(tp):
+        b = shard_box(shape, (tp,), (r,), shard, pad)
+        out[r] = (list(b.offsets), [o + s for o, s in zip(b.offsets, b.sizes)])
+    return out
+
+
+@pytest.mark.parametrize("shape,shard,pad", [((96, 64), (0,), 1), ((64, 96), (1,), 1), ((1000, 64), (0,), 64),
+                                             ((7, 3), (0,), 1)])
+def test_a_shard_is_recognised_as_the_shard_it_is(shape, shard, pad):
+    """Rows or columns split as vLLM splits them (the vocab padded to 64, an uneven split): that shard."""
+    rule = derived._rule_of(shape, _boxes(shape, 4, shard, pad), 4, kv=0)
+    assert rule[:2] == ("shard", shard[0])
+    assert shard_box(shape, (4,), (3,), (rule[1],), rule[2]) == shard_box(shape, (4,), (3,), shard, pad)
+
+
+def test_kv_heads_replicated_over_tp():
+    """Two kv heads over tp 4: rank r holds head r // 2, each box on two ranks."""
+    shape = (2 * 32, 128)
+    boxes = {r: ([(r // 2) * 32, 0], [(r // 2 + 1) * 32, 128]) for r in range(4)}
+    assert derived._rule_of(shape, boxes, 4, kv=2) == ("kv",)
+
+
+def test_pieces_that_are_no_shard_replicate():
+    """A Mamba in_proj: each rank loads row ranges spread over the tensor, so no shard gives them; the whole
+    tensor goes to every rank (and is staged there). A rank loading nothing of it, likewise."""
+    shape = (296, 128)
+    boxes = {0: ([0, 0], [292, 128]), 1: ([64, 0], [296, 128])}
+    assert derived._rule_of(shape, boxes, 2, kv=0) == ("replicate",)
+    assert derived._rule_of(shape, {0: ([0, 0], [148, 128])}, 2, kv=0) == ("replicate",)
+
+
+def test_patterns_match_every_layer_and_no_other_name():
+    p = derived._pattern("backbone.layers.12.mixer.conv1d.weight")
+    import re
+
+    assert re.match(p, "backbone.layers.0.mixer.conv1d.weight")
+    assert not re.match(p, "backbone.layers.0.mixer.conv1d.bias")
+    assert not any(c.isdigit() for c in p)  # keeps the layout's one-search-per-digitless-name matcher
+
+
+def test_staged_box_written_through_its_transform():
+    """A box staged whole, two regions of it written into two engine tensors, one as vLLM writes Mamba's A
+    (-exp of the float32 value)."""
+    held = Box((0,), (8,))
+    buf = torch.arange(1, 9, dtype=torch.bfloat16) / 8
+    a, b = torch.full((4,), float("nan")), torch.full((4,), float("nan"), dtype=torch.bfloat16)
+    st = derived.Staged("x", buf, [(Box((0,), (4,)).local_slices(held), a, "-exp"),
+                                   (Box((4,), (4,)).local_slices(held), b, "copy")])
+    st.apply()
+    assert torch.equal(a, -torch.exp(buf[:4].float()))
+    assert torch.equal(b, buf[4:])
+
+
+def test_unreadable_cache_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESHARD_CACHE", str(tmp_path))
+    monkeypatch.setattr(derived, "engine_version", lambda: "9.9")
+    path = derived._path("k", "9.9")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="unreadable storage map .*delete it"):
+        derived._load_cached("k")
+    path.write_text(json.dumps({"schema": derived.SCHEMA + 1}))
+    assert derived._load_cached("k") is None  # another schema: derived again

@@ -42,6 +42,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vllm_families  # noqa: E402
+
 CONFIGS = {
     "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=1000,
                       hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
@@ -54,26 +57,13 @@ CONFIGS = {
                   head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
                   tie_word_embeddings=True),
 }
-_MAMBA = dict(architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=1000, hidden_size=128,
-              layers_block_type=["mamba", "attention", "mamba", "mlp"], num_attention_heads=4, num_key_value_heads=2,
-              head_dim=32, intermediate_size=256, mlp_hidden_act="relu2", ssm_state_size=16, mamba_num_heads=8,
-              mamba_head_dim=16, n_groups=2, conv_kernel=4, use_conv_bias=True, mamba_proj_bias=False, chunk_size=64,
-              layer_norm_epsilon=1e-5, max_position_embeddings=512, tie_word_embeddings=False)
-CONFIGS.update({
-    # hybrids vLLM's own loaders place (formats.derived): Mamba-2 + attention + MLP, B/C groups 2 (dividing TP2)
-    # and 1 (copied to both TP ranks); gated delta net + attention + MoE with a shared expert
-    "nemotron-h": _MAMBA,
-    "nemotron-h-g1": dict(_MAMBA, n_groups=1),
-    "qwen3-next": dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=1000,
-                       hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
-                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                       linear_num_value_heads=4, decoder_sparse_step=1, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                       mlp_only_layers=[], max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-                       tie_word_embeddings=False),
-})
+# hybrids vLLM's own loaders place (formats.derived), the configs `--models all` judges: Mamba-2 + attention +
+# MLP with B/C groups 2 (dividing TP2) and 1 (copied to both TP ranks); gated delta net + attention + MoE
+CONFIGS.update({"nemotron-h": vllm_families.CONFIGS["nemotron_h"],
+                "nemotron-h-g1": vllm_families.CONFIGS["nemotron_h-groups1"],
+                "qwen3-next": vllm_families.CONFIGS["qwen3_next"]})
+TOKENS = {"nemotron_h": "nemotron-h", "nemotron_h-groups1": "nemotron-h-g1", "qwen3_next": "qwen3-next"}  # family
+# (vllm_families) -> the kind run here, where `--models all` checks tokens
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8], [900, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 NEW_TOKENS = 12
 SRC_LAYOUT = """model: {config}
@@ -182,7 +172,8 @@ class Trainer:
 def src_layout(model_dir: str) -> str:
     """The trainer's layout: everything Shard(0) over the 2 ranks; per-expert views whole on their owner."""
     text = SRC_LAYOUT.format(config=os.path.join(model_dir, "config.json"))
-    if "num_local_experts" in open(os.path.join(model_dir, "config.json")).read():
+    config = json.load(open(os.path.join(model_dir, "config.json")))
+    if any(config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
         text = text.replace("placements:\n", EXPERTS + "placements:\n" + EXPERT_RULE)
     return text
 
@@ -402,6 +393,33 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, rep
             "baseline": baseline, "refused_init": refused, "layers": num_layers, "stage_mb": stage_mb}
 
 
+def run_models(root: str, steps: int, baseline_iters: int) -> dict:
+    """`--models all`: every family's storage judged (vllm_families), then the hybrids refit at TP1 and TP2 and
+    their tokens judged; the others' `tokens_identical` null with the reason."""
+    models = vllm_families.run(root)
+    runs = {}
+    for family, kind in TOKENS.items():
+        for tp in (1, 2):
+            case = run_case(kind, tp, steps, baseline_iters, root)
+            runs[family, tp] = all(s["identical"] and s["checksums_ok"] for s in case["steps"]) \
+                and case["baseline"]["identical"]
+    for m in models:
+        if (m["family"], m["tp"]) in runs and not m["expert_parallel"]:
+            m["tokens_identical"] = runs[m["family"], m["tp"]]
+        elif m["storage_identical"] is not None:
+            m["tokens_reason"] = ("not run by --models all: an LLM per family and parallel config takes minutes "
+                                  "here; the storage is judged by vLLM's loader (examples/vllm_refit.py --model "
+                                  "KIND runs tokens for " + ", ".join(CONFIGS) + ")")
+        else:
+            m["tokens_reason"] = m["reason"]
+    judged = [m for m in models if m["storage_identical"] is not None]
+    passed = (all(m["storage_identical"] and not m["unplaced"] for m in judged) and all(runs.values())
+              and len(runs) == 2 * len(TOKENS))
+    return {"models": models, "passed": passed,
+            "families": sorted({m["family"] for m in models}),
+            "judged": len(judged), "not_buildable": sorted({m["family"] for m in models if m["reason"]})}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=[*CONFIGS, "all"], default="all")
@@ -420,6 +438,9 @@ def main() -> int:
     ap.add_argument("--elastic", action="store_true",
                     help="with --replicas N: replicas killed, added and stalled during training, every member judged "
                          "by vLLM's own loader at every step (examples/vllm_elastic.py)")
+    ap.add_argument("--models", choices=["all"],
+                    help="every family, judged by vLLM's own loader (examples/vllm_families.py), and the hybrids' "
+                         "tokens after refits at TP1 and TP2: {\"models\": [...]} in --json")
     ap.add_argument("--json", help="write {\"cases\": [...], \"steps\": [...]} here")
     ap.add_argument("--workdir", help="where the models and per-step checkpoints go (default: a temp dir)")
     ap.add_argument("--reference", metavar="CKPT", help=argparse.SUPPRESS)  # internal: one fresh engine's output
@@ -453,6 +474,15 @@ def main() -> int:
         print("every member identical to vLLM's loader at every step; each fault's replica dropped and named, the "
               "joined one identical from its catch-up" if ok else "ELASTIC FLEET FAILED: see the lines above")
         return 0 if ok else 1
+    if args.models:
+        with tempfile.TemporaryDirectory(prefix="vllm-families-") as tmp:
+            result = run_models(args.workdir or tmp, args.steps, args.baseline_iters)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        print("every family judged is vLLM's load, the hybrids token-identical" if result["passed"] else
+              "FAMILIES: see the lines above")
+        return 0 if result["passed"] else 1
     if args.faults:
         import vllm_faults
 

@@ -453,3 +453,48 @@ def compare(derived: Derived, layout, rank: int) -> list[str]:
               if p.unwritten and not (p.name.endswith(pad) and p.name in hand)]
     lines += [f"{n}: held on rank {rank} but vLLM placed none of it" for n in derived.unplaced if n in held]
     return lines
+
+
+def storage_against_load(layout, rank: int, seed: int = 0) -> list[str]:
+    """`formats.vllm`'s storage of a `format: vllm` layout (hand rules or a derived map) judged by vLLM's own
+    loader on one rank: the rank's model (in the checkpoint dtype, NaN-filled) built twice in this process,
+    once loaded by vLLM's `load_weights` from a random checkpoint, once written as a refit writes it (the boxes
+    the layout puts on the rank copied into what `bind` hands out, the staged ones applied); every element of
+    every parameter and buffer must agree, bit for bit (but where vLLM zeroed what no box fills). One line per
+    tensor that differs; [] when the storage is vLLM's load. Ranks count from the layout's first."""
+    from reshard_cli.formats import get
+
+    local = rank - layout.ranks[0]
+    tp = layout.size
+    g = torch.Generator().manual_seed(seed)
+    specs = layout.manifest.tensors
+    checkpoint = {t.name: torch.randn(t.shape, generator=g).to(getattr(torch, t.dtype)) for t in specs}
+    config = layout.manifest.config
+    placement = "round_robin" if layout.expert_order == "round_robin" else "linear"
+    ours, theirs = {}, {}
+    for out in (ours, theirs):
+        with _vllm(config, tp, local, bool(layout.experts), placement) as build:
+            model, vc = _built(config, build, layout.manifest.config.get("torch_dtype") or "bfloat16", "cpu")
+            tensors = {n: t for n, t in _tensors(model).items() if t.device.type != "meta"}
+            for t in tensors.values():
+                t.fill_(float("nan"))
+            if out is theirs:
+                compat.load_under(vc, model, iter(list(checkpoint.items())))
+            else:
+                staged: list = []
+                buffers = get("vllm").bind(dict(model.named_parameters()), layout, rank, staged=staged)
+                for t, box in layout.held(rank):
+                    buffers[specs[t].name].copy_(checkpoint[specs[t].name][box.slices()])
+                for st in staged:
+                    st.apply()
+            out.update(tensors)
+    lines = [f"{n}: only in vLLM's load" for n in theirs if n not in ours]
+    for n, a in ours.items():
+        b = theirs.get(n)
+        if b is None:
+            continue
+        same = (a.reshape(-1).view(torch.uint8) == b.reshape(-1).view(torch.uint8)).view(-1, a.element_size()).all(1)
+        same = same.reshape(a.shape) | (a.isnan() & (b == 0)) | (a.isnan() & b.isnan())
+        if not bool(same.all()):
+            lines.append(f"{n}: {int((~same).sum())} of {a.numel()} elements differ from vLLM's load")
+    return lines

@@ -10,6 +10,8 @@ parallel state and config context of the process that asks (a live worker) stay 
 from __future__ import annotations
 
 import json
+import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,12 +25,20 @@ from reshard_cli.formats import derived
 def derive_map(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict) -> dict:
     """The `formats.derived` map of `config` over `tp` ranks, each rank's load traced in this process."""
     from reshard_cli.engines.vllm import compat
-    from reshard_cli.engines.vllm.trace import derive_meta
+    from reshard_cli.engines.vllm.derive import EXACT, derive
+    from reshard_cli.engines.vllm.trace import NotOnMeta, derive_meta
 
     ranks = []
     for r in range(tp):
-        d = derive_meta(config, tp_size=tp, tp_rank=r, expert_parallel=expert_parallel,
-                        expert_placement=placement, checkpoint=checkpoint)
+        options = dict(tp_size=tp, tp_rank=r, expert_parallel=expert_parallel, expert_placement=placement,
+                       checkpoint=checkpoint)
+        try:
+            d = derive_meta(config, **options)
+        except NotOnMeta as e:  # (EP's expert map): a real build, each element its own address, where it fits
+            if sum(math.prod(s) for s in checkpoint.values()) >= EXACT:
+                raise ConfigError(f"{e}; at this size ({sum(math.prod(s) for s in checkpoint.values())} "
+                                  f"elements) no derivation can place it", key="model") from None
+            d = derive(config, **options)
         unknown = [(s, p) for s, p, f, _n in d.transformed if f is None]
         if unknown:
             raise ConfigError(f"vLLM's loader writes {unknown[0][1]} from {unknown[0][0]} by a computation reshard "
@@ -50,8 +60,13 @@ def provide(config: dict, tp: int, expert_parallel: bool, placement: str, checkp
         out = Path(tmp, "map.json")
         request = json.dumps({"config": config, "tp": tp, "expert_parallel": expert_parallel,
                               "placement": placement, "checkpoint": checkpoint, "out": str(out)})
-        proc = subprocess.run([sys.executable, "-m", "reshard_cli.engines.vllm.maps"], input=request,
-                              capture_output=True, text=True)
+        limit = float(os.environ.get("RESHARD_DERIVE_TIMEOUT", "600"))
+        try:
+            proc = subprocess.run([sys.executable, "-m", "reshard_cli.engines.vllm.maps"], input=request,
+                                  capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"deriving vLLM's storage of {config.get('model_type')!r} at tp {tp} took longer than "
+                              f"{limit:g} s (RESHARD_DERIVE_TIMEOUT)", key="model") from None
         if proc.returncode or not out.exists():
             lines = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.startswith("reshard:")]
             why = lines[-1].removeprefix("reshard: ") if lines else f"exit {proc.returncode}"
@@ -68,6 +83,10 @@ def _main() -> int:
     except ConfigError as e:
         print(f"reshard: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - vLLM's own failure, in one line for the parent's error
+        print(f"reshard: vLLM failed building or loading it: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+              file=sys.stderr)
+        return 1
     m["seconds"] = round(time.perf_counter() - t0, 3)
     Path(req["out"]).write_text(json.dumps(m))
     return 0

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from reshard_cli.engines.vllm import compat
-from reshard_cli.engines.vllm.derive import Copy, Derived, Param, _norm, _tensors, _vllm, hf_checkpoint
+from reshard_cli.engines.vllm.derive import Copy, Derived, Param, _built, _norm, _tensors, _vllm, hf_checkpoint
 from reshard_cli.errors import ConfigError
 
 ELEMENTWISE = {"exp", "neg", "_to_copy", "clone", "alias", "detach", "contiguous", "lift_fresh"}
@@ -36,6 +36,10 @@ MAX_GROUPS = 1 << 20  # boxes one write may be cut into before it is refused
 
 class NotABox(ConfigError):
     """A write whose region (or source) is not a union of boxes this trace can name."""
+
+
+class NotOnMeta(ConfigError):
+    """A model vLLM cannot build on the meta device (a data-dependent op at construction: EP's expert map)."""
 
 
 def _key(t: torch.Tensor) -> int:
@@ -508,9 +512,9 @@ def _param(name: str, t: torch.Tensor, writes: list, shapes: dict) -> tuple:
 def _meta_model(config: dict, build, dtype: str):
     """The rank's model on the meta device, or one ConfigError saying why vLLM cannot build it there."""
     try:
-        return build(dtype, "meta")
+        return _built(config, build, dtype, "meta")  # (what this vLLM cannot build at all: one ConfigError)
     except NotImplementedError as e:
-        raise ConfigError(f"vLLM cannot build {config.get('architectures')} on the meta device (a data-dependent "
+        raise NotOnMeta(f"vLLM cannot build {config.get('architectures')} on the meta device (a data-dependent "
                           f"op at construction): {' '.join(str(e).split())[:200]}", key="config") from e
 
 

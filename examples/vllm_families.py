@@ -28,10 +28,10 @@ _MAMBA = dict(_COMMON, architectures=["NemotronHForCausalLM"], model_type="nemot
               chunk_size=64, layer_norm_epsilon=1e-5)
 _NEXT = dict(_COMMON, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", intermediate_size=256,
              num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
-             linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+             num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+             linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
              decoder_sparse_step=1, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
-             num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[])
+             num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[])  # (head dims the CPU kernels take)
 CONFIGS = {
     "llama": dict(_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32),

@@ -16,7 +16,7 @@ import typer
 from reshard_cli import formats
 from reshard_cli.base.text import fmt_bytes, table, write_json, write_json_option
 from reshard_cli.errors import ConfigError, ReshardError, RuntimeFailure
-from reshard_cli.formats import load_pair
+from reshard_cli.formats import derived, load_pair
 from reshard_cli.hw import nvml
 from reshard_cli.layouts.models import not_refit
 from reshard_cli.plan.cost import plan_prediction, with_auto_routes
@@ -290,8 +290,6 @@ def derive(
 ):
     """Learn where vLLM keeps a model it has no hand rules for, from vLLM's own loaders (needs vLLM), and
     cache it: planning and refitting that layout then need no vLLM (`formats.derived`)."""
-    from reshard_cli.formats import derived
-
     layout = formats.load_layout(dst)
     if layout.format != "vllm":
         raise ConfigError(f"`reshard derive` learns vLLM's storage; this layout has format: {layout.format}",

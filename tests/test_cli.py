@@ -21,8 +21,8 @@ CONTRACT = ("params", "tensors", "bytes", "paths", "wire_bytes", "min_wire_bytes
             "indomain_bytes", "max_rank_send_bytes", "max_rank_recv_bytes", "plan_seconds", "pieces")
 
 
-def reshard(*args):
-    env = dict(os.environ, CI="true", COLUMNS="120")
+def reshard(*args, env: dict | None = None):
+    env = dict(os.environ, CI="true", COLUMNS="120", **(env or {}))
     env.pop("PYTHONPATH", None)
     return subprocess.run([sys.executable, "-m", "reshard_cli", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

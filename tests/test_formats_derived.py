@@ -77,3 +77,33 @@ def test_unreadable_cache_is_one_line(tmp_path, monkeypatch):
         derived._load_cached("k")
     path.write_text(json.dumps({"schema": derived.SCHEMA + 1}))
     assert derived._load_cached("k") is None  # another schema: derived again
+
+
+def test_derive_command(tmp_path):
+    """`reshard derive`: a layout of another format is refused in one line; a hand-ruled family has nothing to
+    derive; a family without hand rules is derived (where vLLM is installed) and cached, so a plan then reads
+    the map; with an empty cache and no vLLM, the plan's one line names the command."""
+    from test_cli import reshard
+
+    r = reshard("derive", "--dst", "demo/infer")
+    assert r.returncode == 2 and "learns vLLM's storage; this layout has format: hf" in r.stderr, r.stderr
+    r = reshard("derive", "--dst", "kimi-k2/vllm-tp16-dp8")
+    assert r.returncode == 0 and "nothing to derive" in r.stdout, r.stderr
+    pytest.importorskip("transformers")
+    config = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": 1000,
+              "hidden_size": 64, "layers_block_type": ["mamba", "attention"], "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "ssm_state_size": 16,
+              "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1, "conv_kernel": 4,
+              "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "infer.yaml").write_text("model: config.json\nformat: vllm\nmesh: {tp: 2}\n")
+    env = {"RESHARD_CACHE": str(tmp_path / "cache")}
+    if derived.engine_version() is None:
+        r = reshard("plan", "--src", tmp_path / "infer.yaml", "--dst", tmp_path / "infer.yaml", env=env)
+        assert r.returncode == 2 and "reshard derive --dst" in r.stderr, r.stderr
+        return
+    r = reshard("derive", "--dst", tmp_path / "infer.yaml", "--json", tmp_path / "d.json", env=env)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "d.json").read_text())
+    assert doc["tp"] == 2 and all(x["staged_tensors"] > 0 for x in doc["ranks"])
+    assert len(list((tmp_path / "cache").rglob("*.json"))) == 1

@@ -36,6 +36,7 @@ from reshard_cli.base.files import atomic_write_text
 from reshard_cli.base.geometry import Box, shard_box
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats.storage import EngineTensor, View
+from reshard_cli.layouts.models import ARCHITECTURES
 
 SCHEMA = 1
 DERIVERS = "reshard.storage_derivers"  # entry point group: name -> callable(config, tp, expert_parallel,
@@ -344,6 +345,4 @@ def bind_staged(views: list, layout, rank: int, staged: list | None, device, bou
 
 def known(layout) -> bool:
     """Whether the layout's family has hand rules (`formats.vllm`), not a storage map."""
-    from reshard_cli.layouts.models import ARCHITECTURES
-
     return (layout.manifest.config or {}).get("model_type") in ARCHITECTURES

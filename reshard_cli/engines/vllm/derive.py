@@ -40,6 +40,7 @@ import torch
 from reshard_cli.base.geometry import Box
 from reshard_cli.engines.vllm import compat
 from reshard_cli.errors import ConfigError
+from reshard_cli.formats import FORMATS
 from reshard_cli.formats.storage import EngineTensor, View
 from reshard_cli.formats.vllm import storage
 from reshard_cli.layouts.hf_meta import tensors_from_transformers
@@ -462,8 +463,6 @@ def storage_against_load(layout, rank: int, seed: int = 0) -> list[str]:
     the layout puts on the rank copied into what `bind` hands out, the staged ones applied); every element of
     every parameter and buffer must agree, bit for bit (but where vLLM zeroed what no box fills). One line per
     tensor that differs; [] when the storage is vLLM's load. Ranks count from the layout's first."""
-    from reshard_cli.formats import get
-
     local = rank - layout.ranks[0]
     tp = layout.size
     g = torch.Generator().manual_seed(seed)
@@ -482,7 +481,7 @@ def storage_against_load(layout, rank: int, seed: int = 0) -> list[str]:
                 compat.load_under(vc, model, iter(list(checkpoint.items())))
             else:
                 staged: list = []
-                buffers = get("vllm").bind(dict(model.named_parameters()), layout, rank, staged=staged)
+                buffers = FORMATS["vllm"].bind(dict(model.named_parameters()), layout, rank, staged=staged)
                 for t, box in layout.held(rank):
                     buffers[specs[t].name].copy_(checkpoint[specs[t].name][box.slices()])
                 for st in staged:

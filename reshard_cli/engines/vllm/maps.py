@@ -18,13 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from reshard_cli.engines.vllm import compat
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import derived
 
 
 def derive_map(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict) -> dict:
     """The `formats.derived` map of `config` over `tp` ranks, each rank's load traced in this process."""
-    from reshard_cli.engines.vllm import compat
     from reshard_cli.engines.vllm.derive import EXACT, derive
     from reshard_cli.engines.vllm.trace import NotOnMeta, derive_meta
 

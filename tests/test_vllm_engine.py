@@ -41,7 +41,9 @@ def test_refit_into_a_running_engine_matches_vllms_own_loader(tmp_path, model, t
         assert s["identical"] and s["checksums_ok"], s
         assert (0 < s["direct_bytes_fraction"] < 1) if hybrid else s["direct_bytes_fraction"] == 1.0
         assert s["committed"] == s["groups"] and s["worker_weight_bytes"] > 0, s
-        assert 0 < s["peak_staged_bytes"] <= s["worker_weight_bytes"], s  # measured, never more than the model
+        assert 0 < s["peak_staged_bytes"], s
+        if not hybrid:  # measured, never more than the model (a hybrid also stages whole replicated boxes)
+            assert s["peak_staged_bytes"] <= s["worker_weight_bytes"], s
         if staged:  # the budget forces groups; what a worker held at once stays within one group's bound
             assert s["groups"] >= 4, s
             assert s["peak_staged_bytes"] <= max(s["stage_budget_bytes"], s["largest_layer_bytes"]), s

@@ -132,7 +132,11 @@ def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manif
     if m is None:
         checkpoint = {t.name: list(t.shape) for t in manifest.tensors}
         for ep in metadata.entry_points(group=DERIVERS):
-            m = ep.load()(config, tp, expert_parallel, placement, checkpoint)
+            try:
+                m = ep.load()(config, tp, expert_parallel, placement, checkpoint)
+            except ConfigError as e:  # named by this layout's file
+                raise ConfigError(str(e).removeprefix(f"{e.key}: " if e.key and not e.file else ""), file=file,
+                                  key="model") from None
             if m is not None:
                 save_map(m, manifest.tensors)
                 break

@@ -172,8 +172,11 @@ class Trainer:
 def src_layout(model_dir: str) -> str:
     """The trainer's layout: everything Shard(0) over the 2 ranks; per-expert views whole on their owner."""
     text = SRC_LAYOUT.format(config=os.path.join(model_dir, "config.json"))
-    config = json.load(open(os.path.join(model_dir, "config.json")))
-    if any(config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:  # (make_model writes one file)
+        per_expert = any(re.search(r"\.mlp\.experts\.\d+\.", k) for k in f.keys())
+    if per_expert:
         text = text.replace("placements:\n", EXPERTS + "placements:\n" + EXPERT_RULE)
     return text
 

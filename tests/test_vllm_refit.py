@@ -242,7 +242,7 @@ def _probe(model) -> dict:
 
     out = {n: p.data.clone() for n, p in model.named_parameters()}
     out.update({n: b.clone() for n, b in model.named_buffers()  # Mamba-2's conv_weights: a view vLLM computes with
-                if b.is_floating_point() and b.device.type != "meta"})
+                if b._base is not None and b.is_floating_point() and b.device.type != "meta"})
     gen = torch.Generator().manual_seed(7)
     for name, m in model.named_modules():
         if hasattr(m, "cpu_linear"):

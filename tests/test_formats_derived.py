@@ -67,6 +67,16 @@ def test_staged_box_written_through_its_transform():
     assert torch.equal(b, buf[4:])
 
 
+def test_transposed_box_written_as_the_region_walks_it():
+    """gpt-oss's experts: vLLM stores the checkpoint's [E, H, 2I] box as [E, 2I, H] (a map's "permute 0,2,1"),
+    and a transform may come before the permutation; an unknown transform is one line naming it."""
+    box = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    assert torch.equal(derived.apply_transform("permute 0,2,1", box, (2, 4, 3)), box.permute(0, 2, 1))
+    assert torch.equal(derived.apply_transform("neg; permute 0,2,1", box, (8, 3)), -box.permute(0, 2, 1).reshape(8, 3))
+    with pytest.raises(ConfigError, match="'rotate 1'.*reshard derive"):
+        derived.apply_transform("rotate 1", box, (2, 3, 4))
+
+
 def test_unreadable_cache_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("RESHARD_CACHE", str(tmp_path))
     monkeypatch.setattr(derived, "engine_version", lambda: "9.9")

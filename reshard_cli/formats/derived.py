@@ -51,7 +51,28 @@ def _torch_transforms():
             "neg": torch.neg, "identity (inexact dtype)": lambda x: x, "copy": lambda x: x}
 
 
-TRANSFORM_NAMES = ("-exp", "exp", "neg", "identity (inexact dtype)", "copy")  # what a map may name
+TRANSFORM_NAMES = ("-exp", "exp", "neg", "identity (inexact dtype)", "copy")  # the functions a map may name
+PERMUTE = "permute "  # + the box's dims in the order the region walks them ("permute 0,2,1": a transposing
+# loader, gpt-oss's experts); after a function when both apply ("-exp; permute 1,0")
+
+
+def permute_name(order: tuple) -> str:
+    return PERMUTE + ",".join(str(d) for d in order)
+
+
+def apply_transform(name: str, box, shape: tuple):
+    """The values a map's transformed copy writes into a region of `shape` from its checkpoint box `box` (a
+    tensor): `name` is a function of TRANSFORM_NAMES, a permutation of the box's dims, or both ('; ')."""
+    fns = _torch_transforms()
+    for part in name.split("; "):
+        if part.startswith(PERMUTE):
+            box = box.permute(*(int(d) for d in part.removeprefix(PERMUTE).split(",")))
+        elif part in fns:
+            box = fns[part](box)
+        else:
+            raise ConfigError(f"a storage map names the transform {part!r}, which this reshard does not know: "
+                              f"derive it again with this version (`reshard derive`)", key="model")
+    return box.reshape(shape)
 
 
 # ------------------------------------------------------------------------------------------- the cache
@@ -309,10 +330,9 @@ class Staged:
     def apply(self) -> None:
         import torch
 
-        fns = _torch_transforms()
         with torch.no_grad():
             for src, dst, f in self.moves:
-                dst.copy_(fns[f](self.buffer[src].reshape(dst.shape)))
+                dst.copy_(apply_transform(f, self.buffer[src], dst.shape))
 
 
 def bind_staged(views: list, layout, rank: int, staged: list | None, device, bound: dict) -> dict:

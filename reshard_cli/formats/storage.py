@@ -18,7 +18,7 @@ class View:
     box: object  # base.geometry.Box
     region: tuple  # slices into the engine tensor
     transform: str | None = None  # None: the box is written straight into the region; else the box lands in a
-    # staging buffer and is written through this function of `formats.derived.TRANSFORM_NAMES` ("copy": as is)
+    # staging buffer and is written through this transform (`formats.derived.apply_transform`; "copy": as is)
 
 
 @dataclass(frozen=True)

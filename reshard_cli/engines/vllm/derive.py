@@ -28,6 +28,7 @@ device where the class allows it (the derivation itself runs in float32).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import tempfile
@@ -41,6 +42,7 @@ from reshard_cli.base.geometry import Box
 from reshard_cli.engines.vllm import compat
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import FORMATS
+from reshard_cli.formats import derived as derived_map
 from reshard_cli.formats.storage import EngineTensor, View
 from reshard_cli.formats.vllm import storage
 from reshard_cli.layouts.hf_meta import tensors_from_transformers
@@ -59,7 +61,8 @@ class Copy:
     """Checkpoint tensor `source`'s box (`offsets`, `sizes`) lands in `region` of the parameter: ints for the
     parameter's leading dims the checkpoint tensor lacks (a stacked expert), slices for the others; the
     region's elements in row-major order are the box's. `transform` names the function of a transformed
-    load (`TRANSFORMS`), None for a bit-for-bit copy."""
+    load (`TRANSFORMS`, or a permutation of the box: `formats.derived.apply_transform`), None for a
+    bit-for-bit copy."""
 
     source: str
     offsets: tuple
@@ -201,17 +204,19 @@ def _copies(eng: torch.Tensor, eshape: tuple, src_flat: torch.Tensor, name: str,
             transform: str | None = None) -> list[Copy]:
     """The copies of checkpoint tensor `name` (shape `sshape`) at positions `eng` [n, d] of a parameter of
     shape `eshape`, from its flat indices `src_flat`. Dims of extent 1 on either side are set aside (an HF
-    conv1d [C, 1, K] is vLLM's [C, K]), the others aligned from the last; positions are grouped by their
-    translation (and by the coordinates of the leading dims only one side has), each group cut into boxes."""
+    conv1d [C, 1, K] is vLLM's [C, K]), the others paired from the last (or, where the loader transposes,
+    in the order that gives fewer groups: `_pairing`); positions are grouped by their translation (and by the
+    coordinates of the leading dims only one side has), each group cut into boxes."""
     src = torch.stack(torch.unravel_index(src_flat, sshape), 1) if sshape else src_flat[:, None] * 0
     ek, sk = [i for i, n in enumerate(eshape) if n != 1], [i for i, n in enumerate(sshape) if n != 1]
-    e, s = eng[:, ek], src[:, sk]
     er, sr = len(ek), len(sk)
     r = min(er, sr)
-    key = torch.zeros(len(eng), dtype=torch.int64)
-    for col in torch.cat([s[:, sr - r:] - e[:, er - r:], s[:, :sr - r], e[:, :er - r]], 1).T:
-        key = key * (int(col.max() - col.min()) + 1) + (col - col.min())  # one int per key: a 1-D unique
-    _, group = torch.unique(key, return_inverse=True)
+    e = eng[:, ek]
+    paired, group = _pairing(e, src, ek, sk, r)
+    s = src[:, sk[:sr - r] + paired]
+    if paired != sorted(paired):  # (dims of extent 1 move freely)
+        order = paired + [d for d in range(len(sshape)) if d not in paired]
+        transform = "; ".join(x for x in (transform, derived_map.permute_name(tuple(order))) if x)
     out = []
     for g in group.unique().tolist():
         sel = group == g
@@ -220,11 +225,41 @@ def _copies(eng: torch.Tensor, eshape: tuple, src_flat: torch.Tensor, name: str,
             for j, i in enumerate(ek):
                 region[i] = lo[j] if j < er - r else slice(lo[j], hi[j])
             offsets, sizes = [0] * len(sshape), [1] * len(sshape)
-            for j, i in enumerate(sk):
+            for j, i in enumerate(sk[:sr - r] + paired):
                 offsets[i] = s_lo[j]
                 if j >= sr - r:
                     sizes[i] = hi[j - sr + er] - lo[j - sr + er]
             out.append(Copy(name, tuple(offsets), tuple(sizes), tuple(region), transform))
+    return out
+
+
+def _pairing(e: torch.Tensor, src: torch.Tensor, ek: list, sk: list, r: int) -> tuple:
+    """The source dims paired with the parameter's last `r` dims (of extent over 1), and each position's group
+    (one translation): from the last dims, unless another order of the source's last `r` dims gives fewer
+    groups (a loader that transposes: gpt-oss's experts)."""
+    best = None
+    for perm in itertools.permutations(sk[len(sk) - r:]) if r <= 3 else [tuple(sk[len(sk) - r:])]:
+        s = src[:, sk[:len(sk) - r] + list(perm)]
+        er, sr = e.shape[1], s.shape[1]
+        key = torch.zeros(len(e), dtype=torch.int64)
+        for col in torch.cat([s[:, sr - r:] - e[:, er - r:], s[:, :sr - r], e[:, :er - r]], 1).T:
+            key = key * (int(col.max() - col.min()) + 1) + (col - col.min())  # one int per key: a 1-D unique
+        _, group = torch.unique(key, return_inverse=True)
+        n = int(group.max()) + 1 if len(group) else 0
+        if best is None or n < best[0]:
+            best = (n, list(perm), group)
+    return best[1], best[2]
+
+
+def _permuted(params: dict) -> list[tuple]:
+    """The loads that only transpose (`_pairing`), in `Derived.transformed`'s terms, as the trace counts them."""
+    out = []
+    for n, p in params.items():
+        moved: dict = {}
+        for c in p.copies:
+            if c.transform and c.transform.startswith(derived_map.PERMUTE):
+                moved[(c.source, c.transform)] = moved.get((c.source, c.transform), 0) + math.prod(c.sizes)
+        out += [(s, n, f, k) for (s, f), k in moved.items()]
     return out
 
 
@@ -276,7 +311,8 @@ def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bf
         dtypes = {n: str(t.dtype).removeprefix("torch.") for n, t in _tensors(typed).items()}
         del typed
         model, vc = _built(config, build, "float32", "cpu")
-        tensors = _tensors(model)
+        tensors = {n: t for n, t in _tensors(model).items() if t.device.type != "meta"}  # (a rotary cache vLLM
+        # memoised in the meta build above: computed, never loaded)
         for t in tensors.values():
             t.fill_(float("nan"))
         writer = _load(vc, model, items, tensors)
@@ -301,7 +337,7 @@ def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bf
             copies.sort(key=lambda c: _norm(c.region, tuple(t.shape)))
             params[n] = Param(n, tuple(t.shape), dtypes.get(n, str(t.dtype).removeprefix("torch.")), tuple(copies),
                               transformed, int(((v == 0) & ~is_code).sum()), int(v.isnan().sum()))
-        done = _probe(vc, model, items, tensors, writer, odd, params, names, shapes)
+        done = _probe(vc, model, items, tensors, writer, odd, params, names, shapes) + _permuted(params)
     placed |= {c.source for p in params.values() for c in p.copies}
     placed |= {s for p in params.values() for s in p.transformed if s}
     return Derived(dict(config), tp_size, tp_rank, params, tuple(done),
@@ -361,9 +397,9 @@ def replay(derived: Derived, checkpoint: dict) -> dict[str, torch.Tensor]:
         t = torch.full(p.shape, float("nan"))
         for c in p.copies:
             box = checkpoint[c.source][tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))]
-            region = t[c.region]
-            values = box.reshape(region.shape)  # the region's elements in row-major order are the box's
-            t[c.region] = TRANSFORMS[c.transform][0](values) if c.transform else values
+            region = t[c.region]  # its elements in row-major order are the box's (through the transform)
+            t[c.region] = derived_map.apply_transform(c.transform, box, region.shape) if c.transform \
+                else box.reshape(region.shape)
         out[p.name] = t
     return out
 

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from reshard_cli.engines.vllm import compat
 from reshard_cli.engines.vllm.derive import Copy, Derived, Param, _built, _norm, _tensors, _vllm, hf_checkpoint
 from reshard_cli.errors import ConfigError
+from reshard_cli.formats import derived
 
 ELEMENTWISE = {"exp", "neg", "_to_copy", "clone", "alias", "detach", "contiguous", "lift_fresh"}
 KEEP = {"_to_copy", "clone", "alias", "detach", "contiguous", "lift_fresh"}  # no function of the values
@@ -98,6 +99,7 @@ class Tracer:
     def __init__(self, params: dict):
         self.params = {_key(t): (n, t.storage_offset()) for n, t in reversed(list(params.items()))}
         self.sources: dict[int, str] = {}
+        self.shapes: dict[str, int] = {}  # checkpoint name -> elements
         self.derived: dict[int, tuple] = {}  # storage -> (geometry, Map | Mixed)
         self.writes: list[Write] = []
         self.by_param: dict[str, list] = {}
@@ -109,6 +111,7 @@ class Tracer:
         """`items` (name, meta tensor) passed on to the loader, each one tagged first."""
         for name, t in items:
             self.sources[_key(t)] = name
+            self.shapes[name] = t.numel()
             self.keep.append(t)
             self.turn = name
             yield name, t
@@ -117,11 +120,11 @@ class Tracer:
     def prov(self, t: torch.Tensor):
         """A `Map` or a `Mixed` for tensor `t`, None when it holds nothing of the checkpoint."""
         k = _key(t)
-        if k in self.sources:
-            return Map(self.sources[k], *_geometry(t))
-        if k in self.derived:
+        if k in self.derived:  # (before the checkpoint's own: a checkpoint tensor the loader wrote into)
             geo, what = self.derived[k]
             return _view_of(what, geo, _geometry(t))
+        if k in self.sources:
+            return Map(self.sources[k], *_geometry(t))
         if k in self.params:
             return self._param_prov(t)
         return None
@@ -151,7 +154,10 @@ class Tracer:
                 what = _broadcast(what, sizes)
             self.writes.append(Write(name, off - base, sizes, strides, what, self.turn))
             self.by_param.setdefault(name, []).append(self.writes[-1])
-        elif what is not None:
+        elif what is not None or k in self.sources:
+            if k in self.sources:  # the loader wrote into a checkpoint tensor (gpt-oss zeroes w2_bias off rank 0)
+                whole = dst.numel() == self.shapes[self.sources[k]] and dst.storage_offset() == 0
+                what = what if whole and not isinstance(what, Map) else Mixed((self.sources[k],))
             self.derived[k] = (_geometry(dst), what)
             self.keep.append(dst)
 
@@ -343,10 +349,11 @@ def _free_dims(subs: list, aligned: dict) -> tuple:
     return free, rest
 
 
-def _boxes_of(w: Write, pshape: tuple, sshape: tuple | None, aligned: dict) -> list:
-    """The write cut into boxes of the parameter: [(lo, hi, source lo or None)]; one per value of each
-    enumerated sub-dim (`_free_dims`)."""
+def _boxes_of(w: Write, pshape: tuple, sshape: tuple | None) -> tuple:
+    """The write cut into boxes of the parameter: ([(lo, hi, source lo or None)], the dims pairing used); one
+    box per value of each enumerated sub-dim (`_free_dims`)."""
     subs, estart, sstart = _walk(w, pshape, sshape)
+    aligned = _alignment(subs, pshape, sshape) if sshape is not None else {}
     free, rest = _free_dims(subs, aligned)
     count = math.prod(s[0] for s in rest)
     if count > MAX_GROUPS:
@@ -360,7 +367,30 @@ def _boxes_of(w: Write, pshape: tuple, sshape: tuple | None, aligned: dict) -> l
                 slo[src[0]] += v * src[1]
         hi = [x + free.get(d, 1) for d, x in enumerate(lo)]
         out.append((lo, hi, slo))
-    return out
+    return out, aligned
+
+
+def _alignment(subs: list, pshape: tuple, sshape: tuple) -> dict:
+    """{param dim: source dim} for one copy: `_pairs`' (from the last dims), unless the write walks each
+    parameter dim along one source dim of its own in another pairing (a loader that transposes: gpt-oss's
+    experts), then that one, completed by `_pairs`' for the dims the write does not walk."""
+    positional = _pairs(pshape, sshape)[0]
+    walked: dict = {}
+    for _n, (ed, es), src in subs:
+        if src is None or src[1] != es or walked.setdefault(ed, src[0]) != src[0]:
+            return positional
+    if all(positional.get(e) == s for e, s in walked.items()) or len(set(walked.values())) < len(walked):
+        return positional
+    rest = {e: s for e, s in positional.items() if e not in walked and s not in walked.values()}
+    out = {**walked, **rest}
+    ek, sk = [i for i, n in enumerate(pshape) if n != 1], [i for i, n in enumerate(sshape) if n != 1]
+    return out if len(out) == min(len(ek), len(sk)) else positional
+
+
+def _leads(pshape: tuple, sshape: tuple, aligned: dict) -> tuple:
+    """The parameter's and the source's dims (of extent over 1) that `aligned` does not pair."""
+    return ([d for d, n in enumerate(pshape) if n != 1 and d not in aligned],
+            [d for d, n in enumerate(sshape) if n != 1 and d not in aligned.values()])
 
 
 def _product(sizes: list):
@@ -419,17 +449,19 @@ def _merge(boxes: list) -> list:
 
 def _pieces(writes: list, pshape: tuple, shapes: dict) -> list:
     """The parameter's final state as disjoint boxes [(lo, hi, label)], later writes over earlier ones. A
-    copy's label is ('copy', source, chain, translation per aligned dim pair, source leading coordinates)."""
+    copy's label is ('copy', source, chain, (param dim, source dim, translation) per aligned pair, source
+    leading coordinates)."""
     out: list = []  # [lo, hi, label] or None once cut
     starts: list = []  # (lo[0], index into out), sorted: the candidates an overlap is looked for among
     reach = 1  # the longest extent along dim 0 of any piece
     for w in writes:
         m = w.what if isinstance(w.what, Map) else None
         sshape = shapes[m.source] if m else None
-        aligned, _elead, slead = _pairs(pshape, sshape) if m else ({}, [], [])
-        for lo, hi, slo in _boxes_of(w, pshape, sshape, aligned):
+        boxes, aligned = _boxes_of(w, pshape, sshape)
+        slead = _leads(pshape, sshape, aligned)[1] if m else []
+        for lo, hi, slo in boxes:
             if m:
-                label = ("copy", m.source, m.chain, tuple((e, slo[s] - lo[e]) for e, s in sorted(aligned.items())),
+                label = ("copy", m.source, m.chain, tuple((e, s, slo[s] - lo[e]) for e, s in sorted(aligned.items())),
                          tuple(slo[s] for s in slead))
             elif isinstance(w.what, Mixed):
                 label = ("mixed", w.what.sources, w.turn)
@@ -460,19 +492,23 @@ def _overlaps(lo, hi, blo, bhi) -> bool:
 
 
 def _copy(label: tuple, lo: list, hi: list, pshape: tuple, sshape: tuple) -> Copy:
-    """One box of a copy in `derive.Copy`'s terms."""
-    _kind, source, chain, shift, slead = label
-    aligned, elead, sleads = _pairs(pshape, sshape)
+    """One box of a copy in `derive.Copy`'s terms; a pairing that is not in order is a permutation of the box
+    (`formats.derived.permute_name`), after the chain's function."""
+    _kind, source, chain, pairs, slead = label
+    elead, sleads = _leads(pshape, sshape, {e: s for e, s, _t in pairs})
     region = [0] * len(pshape)
     for d in elead:
         region[d] = lo[d]
     offsets, sizes = [0] * len(sshape), [1] * len(sshape)
-    for (e, t) in shift:
+    for (e, s, t) in pairs:
         region[e] = slice(lo[e], hi[e])
-        offsets[aligned[e]], sizes[aligned[e]] = lo[e] + t, hi[e] - lo[e]
+        offsets[s], sizes[s] = lo[e] + t, hi[e] - lo[e]
     for s, c in zip(sleads, slead):
         offsets[s] = c
-    return Copy(source, tuple(offsets), tuple(sizes), tuple(region), FUNCTIONS.get(chain, "?"))
+    paired = [s for _e, s, _t in pairs]  # (dims of extent 1 move freely)
+    order = paired + [d for d in range(len(sshape)) if d not in paired]
+    parts = [FUNCTIONS.get(chain, "?")] + ([derived.permute_name(tuple(order))] if paired != sorted(paired) else [])
+    return Copy(source, tuple(offsets), tuple(sizes), tuple(region), "; ".join(p for p in parts if p) or None)
 
 
 # ------------------------------------------------------------------------------ the derivation
@@ -487,10 +523,8 @@ def _param(name: str, t: torch.Tensor, writes: list, shapes: dict) -> tuple:
     for lo, hi, label in pieces:
         size = math.prod(b - a for a, b in zip(lo, hi))
         if label[0] == "copy" and label[2] in FUNCTIONS:
-            _aligned, elead, _s = _pairs(pshape, shapes[label[1]])
+            elead = _leads(pshape, shapes[label[1]], {e: s for e, s, _t in label[3]})[0]
             groups.setdefault(label + tuple(lo[d] for d in elead), []).append((lo, hi))
-            if label[2]:
-                loads[(label[1], FUNCTIONS[label[2]])] = loads.get((label[1], FUNCTIONS[label[2]]), 0) + size
         elif label[0] == "copy":
             transformed[label[1]] = transformed.get(label[1], 0) + size
             loads[(label[1], None)] = loads.get((label[1], None), 0) + size
@@ -501,6 +535,9 @@ def _param(name: str, t: torch.Tensor, writes: list, shapes: dict) -> tuple:
             loads[(label[2], None)] = loads.get((label[2], None), 0) + size
     copies = [_copy(key[:5], lo, hi, pshape, shapes[key[1]]) for key, boxes in groups.items()
               for lo, hi in _merge(boxes)]
+    for c in copies:
+        if c.transform is not None:
+            loads[(c.source, c.transform)] = loads.get((c.source, c.transform), 0) + math.prod(c.sizes)
     plain = sorted((c for c in copies if c.transform is None), key=lambda c: _norm(c.region, pshape))
     done = sorted((c for c in copies if c.transform is not None), key=lambda c: _norm(c.region, pshape))
     written = sum(math.prod(b - a for a, b in zip(lo, hi)) for lo, hi, _l in pieces)

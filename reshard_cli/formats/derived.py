@@ -248,10 +248,13 @@ def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> 
     heads = int(config.get("num_attention_heads") or 0)
     kv = int(config.get("num_key_value_heads") or heads)
     groups: dict = {}
+    seen: dict = {}  # (shape, boxes) -> rule: 512 experts a layer load alike
     for t in manifest.tensors:
         if skip and re.search(skip, t.name):
             continue
-        rule = _rule_of(tuple(t.shape), loaded.get(names[t.name], {}), tp, kv)
+        boxes = loaded.get(names[t.name], {})
+        key = (tuple(t.shape), tuple(sorted((r, tuple(lo), tuple(hi)) for r, (lo, hi) in boxes.items())))
+        rule = seen.get(key) or seen.setdefault(key, _rule_of(tuple(t.shape), boxes, tp, kv))
         groups.setdefault(_pattern(t.name), {}).setdefault(rule, []).append(t.name)
     out, meshes = [], {}
     for pattern, by_rule in groups.items():

@@ -1,11 +1,19 @@
+import atexit
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# reshard's cache (storage maps, tensor lists) is this session's own: tests neither read nor fill the user's
+os.environ["RESHARD_CACHE"] = tempfile.mkdtemp(prefix="reshard-test-cache-")
+atexit.register(shutil.rmtree, os.environ["RESHARD_CACHE"], True)
 
 SMALL_MODEL = """
 name: small

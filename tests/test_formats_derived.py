@@ -116,4 +116,4 @@ def test_derive_command(tmp_path):
     assert r.returncode == 0, r.stderr
     doc = json.loads((tmp_path / "d.json").read_text())
     assert doc["tp"] == 2 and all(x["staged_tensors"] > 0 for x in doc["ranks"])
-    assert len(list((tmp_path / "cache").rglob("*.json"))) == 1
+    assert len(list((tmp_path / "cache" / "vllm-storage").glob("*.json"))) == 1

@@ -23,6 +23,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 import torch  # noqa: E402
 
 from reshard_cli.errors import ConfigError  # noqa: E402
+from reshard_cli.layouts import hf_meta  # noqa: E402
 from reshard_cli.layouts.hf_meta import tensors_from_transformers  # noqa: E402
 from reshard_cli.layouts.models import (  # noqa: E402
     load_manifest,
@@ -309,3 +310,24 @@ def test_a_family_without_a_table_plans_runs_and_checks_in_checkpoint_format(tmp
         r = reshard("plan", "--src", "train.yaml", "--dst", f"{fmt}.yaml")
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert f"{fmt}.yaml: {key}:" in r.stderr and "'nemotron_h'" in r.stderr, r.stderr
+
+
+def test_tensor_lists_are_cached(tmp_path, monkeypatch):
+    """A listed model is remembered per config in reshard's cache: the next listing neither builds the model
+    nor needs transformers' classes; another config is listed afresh; an unreadable cache file is one line
+    naming it."""
+    monkeypatch.setenv("RESHARD_CACHE", str(tmp_path))
+    config = copy.deepcopy(NEW_FAMILY_CONFIGS["nemotron_h"])
+    first = hf_meta.listed(config, "n.json")
+    assert first == tensors_from_transformers(copy.deepcopy(config), "n.json")
+    (cached,) = (tmp_path / "manifests").glob("nemotron_h-*.json")
+
+    def refuse(*_a):
+        raise AssertionError("listed again")
+    monkeypatch.setattr(hf_meta, "tensors_from_transformers", refuse)
+    assert hf_meta.listed(copy.deepcopy(config), "n.json") == first
+    with pytest.raises(AssertionError, match="listed again"):
+        hf_meta.listed({**config, "num_attention_heads": 2}, "n.json")
+    cached.write_text("{not json")
+    with pytest.raises(ConfigError, match=re.escape(str(cached)) + ": unreadable cached tensor list .*delete it"):
+        hf_meta.listed(copy.deepcopy(config), "n.json")

@@ -117,7 +117,7 @@ def test_deriver_entry_point_runs_vllm_in_a_child(cache, tmp_path):
     """The `reshard.storage_derivers` entry point reshard registers: a cache miss derives the map in a child
     process and caches it for the next load."""
     config = dict(_nemotron_h(2), hidden_size=64)
-    before = set(cache.rglob("*.json"))
+    before = set((cache / "vllm-storage").glob("*.json"))
     layout = _layout(tmp_path, config, 2, derive=False)
-    assert len(set(cache.rglob("*.json")) - before) == 1
+    assert len(set((cache / "vllm-storage").glob("*.json")) - before) == 1
     assert get("vllm").summary(layout, 0)["staged_tensors"] > 0

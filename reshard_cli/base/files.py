@@ -1,4 +1,4 @@
-"""Atomic file writes: a final name never holds a half-written file."""
+"""Atomic file writes (a final name never holds a half-written file) and reshard's cache folder."""
 from __future__ import annotations
 
 import os
@@ -36,3 +36,9 @@ def atomic_write_text(final: str | Path, text: str, *, fsync: bool = False) -> N
                 os.fsync(fh.fileno())
 
     atomic_write(final, write)
+
+
+def cache_root() -> Path:
+    """Where reshard keeps what it learnt once (storage maps, tensor lists): `$RESHARD_CACHE`, else
+    `~/.cache/reshard`."""
+    return Path(os.environ.get("RESHARD_CACHE") or Path.home() / ".cache" / "reshard")

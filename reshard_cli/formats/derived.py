@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from reshard_cli.base.files import atomic_write_text
+from reshard_cli.base.files import atomic_write_text, cache_root
 from reshard_cli.base.geometry import Box, shard_box
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats.storage import EngineTensor, View
@@ -79,8 +78,7 @@ def apply_transform(name: str, box, shape: tuple):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("RESHARD_CACHE") or Path.home() / ".cache" / "reshard"
-    return Path(root) / "vllm-storage"
+    return cache_root() / "vllm-storage"
 
 
 def _digest(obj) -> str:
@@ -234,7 +232,15 @@ def _rule_of(shape: tuple, boxes: dict, tp: int, kv: int) -> tuple:
 def _pattern(name: str) -> str:
     """`name` as a pattern that every digit run matches (layers, experts): one rule per kind of tensor, and
     the layout's rule matcher keeps its one-search-per-digitless-name path."""
-    return "^" + "".join(r"\d+" if part.isdigit() else re.escape(part) for part in re.split(r"(\d+)", name)) + "$"
+    return _pattern_of(tuple(_DIGITS.split(name)))
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+@lru_cache(maxsize=4096)
+def _pattern_of(parts: tuple) -> str:
+    return "^" + r"\d+".join(re.escape(p) for p in parts) + "$"
 
 
 def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> tuple[list, dict]:

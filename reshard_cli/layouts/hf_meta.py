@@ -40,12 +40,19 @@ checkpoints store both in float32. Where a checkpoint is at hand, its safetensor
 
 Cost: a full-size DeepSeek-V3 (45,395 tensors) lists in 0.6-2 s once torch and transformers are imported
 (5-6 s, paid once per process), allocating no tensor memory: experts stay fused until the split on meta.
+`listed` remembers each list in reshard's cache (`manifests/`, one JSON file per config, transformers version
+and text of this module), so a later plan of the same model imports neither.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
+from reshard_cli.base.files import atomic_write_text, cache_root
 from reshard_cli.errors import ConfigError
 
 # The torch dtypes a checkpoint's config may name (torch_dtype / dtype), and their torch attribute names.
@@ -53,6 +60,34 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp
            "float32": "float32", "fp32": "float32", "float": "float32"}
 
 Tensor = tuple[str, tuple[int, ...], str]
+
+
+def listed(config: dict, file: str) -> list[Tensor]:
+    """`tensors_from_transformers`, from reshard's cache when this config was listed before by the installed
+    transformers (or, with none installed, by any) and this module's text; else listed and cached."""
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        version = None
+    key = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()
+                         + Path(__file__).read_bytes()).hexdigest()[:20]
+    folder = cache_root() / "manifests"
+    name = f"{config.get('model_type')}-{key}"
+    found = [folder / f"{name}-transformers{version}.json"] if version else \
+        sorted(folder.glob(f"{name}-transformers*.json"), key=lambda p: p.stat().st_mtime)[-1:]
+    for path in (p for p in found if p.exists()):
+        try:
+            return [(n, tuple(shape), d) for n, shape, d in json.loads(path.read_text())["tensors"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"unreadable cached tensor list ({type(e).__name__}: {e}); delete it to list the "
+                              f"model again", file=str(path)) from None
+    out = tensors_from_transformers(config, file)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / f"{name}-transformers{version}.json", json.dumps({"tensors": out}))
+    except OSError:
+        pass  # a read-only cache only costs the next plan the listing again
+    return out
 
 
 def tensors_from_transformers(config: dict, file: str) -> list[Tensor]:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from reshard_cli.errors import ConfigError
 from reshard_cli.layouts import bundled
-from reshard_cli.layouts.hf_meta import tensors_from_transformers
+from reshard_cli.layouts.hf_meta import listed
 from reshard_cli.layouts.yamlio import check_keys, line_of, load_yaml
 
 
@@ -449,7 +449,7 @@ def manifest_from_hf_config(config: dict, *, name: str, dtype: str | None = None
             raise ConfigError(str(e), file=file, key="torch_dtype" if "torch_dtype" in config else "dtype") from None
     if model_type not in ARCHITECTURES:  # no table here: transformers' own model class lists it (`hf_meta`)
         try:
-            learnt = tensors_from_transformers(config, file)
+            learnt = listed(config, file)
         except ConfigError as e:
             why = str(e).removeprefix(f"{file}: model_type: ")
             raise ConfigError(f"unsupported model_type {model_type!r} (tables: {', '.join(ARCHITECTURES)}; "

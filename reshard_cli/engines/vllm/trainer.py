@@ -199,6 +199,8 @@ class ReshardTrainerEngine(FleetTrainer, _api.TrainerWeightTransferEngine):
                                       line=f"{e} (after the update)")
         if failure is not None and self.refit is not None:
             failure.held, failure.torn = self.refit.held(), self.refit.torn()
+        elif failure is not None:
+            full.tear(failure, self.dst)
         return failure, everyone, mine
 
     def _send(self, tensors: Mapping[str, torch.Tensor], resume_layer: int | None = None) -> dict:

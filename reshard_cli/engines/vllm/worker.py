@@ -137,6 +137,9 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         if not self._ready():
             return
         if self.path == "full":
+            cpu_repairs.unpatch(getattr(self, "patched", []))  # (a start without a finish)
+            self.patched = cpu_repairs.pack_on_reload(self.model)  # before the reload puts the experts on meta
+            self.tied_owners = cpu_repairs.tied_later_owners(self.model)  # (and the tied parameters)
             compat.begin_reload(self.model)
         elif self.target is not None:
             self.target.abort()  # a group some earlier failure left open, if any
@@ -167,7 +170,9 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
                     self.group.fail(what, (self.refit_rank,))
                 except GroupBroken:
                     pass
-            stats["error"] = f"{what}; the open group keeps its previous weights"
+            stats["error"] = what + ("; vLLM's reload wrote the layers that arrived in place: this worker may hold "
+                                     "part of the update" if self.path == "full" else
+                                     "; the open group keeps its previous weights")
             broken = True
         stats["seconds"] = time.perf_counter() - t0
         self.last_stats = stats
@@ -231,9 +236,12 @@ class ReshardWorkerEngine(compat.transfer_api().WeightTransferEngine):
         self.update_open = False
         if getattr(self, "path", None) == "full":
             views = cpu_repairs.view_buffers(self.model)  # (before vLLM's finalize swaps the parameters back)
-            compat.finish_reload(self.model, self.model_config)
-            for module in self.model.modules():  # vLLM's own update path needs the same repairs
-                cpu_repairs.repack_experts(module)
+            try:
+                compat.finish_reload(self.model, self.model_config)
+            finally:
+                cpu_repairs.unpatch(getattr(self, "patched", []))
+                self.patched = []
+            cpu_repairs.reprocess_tied(getattr(self, "tied_owners", []))  # from the new values of what they share
             cpu_repairs.resync_views(views)
         elif getattr(self, "target", None) is not None:
             self.target.abort()  # nothing open after an update; a start without an update leaves nothing either

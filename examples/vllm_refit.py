@@ -312,6 +312,26 @@ def stage_budget_mb(model_dir: str, tp: int, layers: float | None) -> float | No
     return layers * max(u.nbytes for u in layer_groups(load_layout(path), 1)) / (1 << 20)
 
 
+def run_baseline(trainer, client, model_dir: str, tp: int, ports: dict, replicas: int, iters: int, llms: list,
+                 ours: list, out: list, tag: str) -> dict:
+    """The same refit the way vLLM's built-in backends do it (full tensors to every worker, then its own
+    layerwise `load_weights`), `iters` times; its numbers, and whether the engines then generate as after ours."""
+    full = engines(trainer, client, model_dir, tp, ports, "full", replicas=replicas)
+    base = [summarize(full.send_weights()) for _ in range(iters)]
+    after_full = [generate(x) for x in llms]
+    baseline = {"refit_seconds": statistics.median(b["refit_seconds"] for b in base),
+                "wire_bytes": base[0]["wire_bytes"], "bytes_into_each_worker": base[0]["bytes_into_each_worker"],
+                "direct_bytes_fraction": 0.0, "identical": after_full == ours}
+    reshard_s = statistics.median(r["refit_seconds"] for r in out)
+    print(f"{tag} baseline (full tensors to every worker, then load_weights): "
+          f"{baseline['refit_seconds']:.3f} s, {baseline['wire_bytes'] / 1e6:.2f} MB on the wire, "
+          f"{baseline['bytes_into_each_worker'] / 1e6:.2f} MB into each worker; reshard "
+          f"{reshard_s:.3f} s: {baseline['refit_seconds'] / reshard_s:.2f}x faster, "
+          f"{baseline['bytes_into_each_worker'] / max(1, out[-1]['bytes_into_each_worker']):.1f}x fewer bytes into "
+          f"each worker", flush=True)
+    return baseline
+
+
 def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, replicas: int = 1,
              num_layers: int | None = None, stage_layers: float | None = None) -> dict:
     import torch.multiprocessing as mp
@@ -330,85 +350,94 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, rep
     rank1 = mp.get_context("spawn").Process(target=trainer_rank1,
                                             args=(model_dir, tp, ports, steps, baseline_iters, replicas, stage_mb))
     rank1.start()
-    tag = f"[{kind} tp{tp}{f' x{replicas} replicas' if replicas > 1 else ''}]"
-    t0 = time.perf_counter()
-    llms = [make_engine(model_dir, tp, weight_transfer_config={"backend": "reshard"}) for _ in range(replicas)]
-    llm = llms[0]
-    print(f"{tag} engine(s) up in {time.perf_counter() - t0:.0f} s", flush=True)
-    client = [LLMClient(x) for x in llms] if replicas > 1 else LLMClient(llm)
-    trainer = Trainer(0, model_dir, ports["trainer"])
-    engine = engines(trainer, client, model_dir, tp, ports, "reshard", replicas=replicas, stage_mb=stage_mb)
-    first = summarize(engine.send_weights())  # the initial weights again; builds the plan
-    print(f"{tag} first refit (plan built): {first['refit_seconds']:.3f} s", flush=True)
-    initial = generate(llm)
-    out = []
-    for step in range(steps):
-        loss = trainer.step(step)
-        row = {"step": step + 1, "loss": loss, **summarize(engine.send_weights(weight_version=str(step + 1)))}
-        ours = [generate(x) for x in llms]
-        ckpt = os.path.join(root, f"{kind}-tp{tp}-step{step + 1}")
-        trainer.save(ckpt)
-        theirs = reference(ckpt, tp)  # vLLM's own loader, in a fresh engine
-        row["identical_per_replica"] = [o == theirs for o in ours]
-        row["identical"] = all(row["identical_per_replica"])
-        if not row["identical"]:
-            row["first_difference"] = first_difference(next(o for o in ours if o != theirs), theirs)
-        row["tokens_changed_since_start"] = [a[0] != b[0] for a, b in zip(ours[0], initial)]
-        out.append(row)
-        fleet = "" if replicas == 1 else (
-            f", trainer sent {row['wire_bytes'] / 1e6:.2f} MB (minimum {row['min_wire_bytes'] / 1e6:.2f} MB; one "
-            f"refit per replica {row['separate_refits_wire_bytes'] / 1e6:.2f} MB, gather->broadcast "
-            f"{row['broadcast_wire_bytes'] / 1e6:.2f} MB), replicas forwarded {row['forwarded_bytes'] / 1e6:.2f} MB")
-        print(f"{tag} step {step + 1}: staged at most {row['peak_staged_bytes'] / 1e6:.2f} MB per worker (budget "
-              f"{(row['stage_budget_bytes'] or 0) / 1e6:.2f} MB, largest layer {row['largest_layer_bytes'] / 1e6:.2f} "
-              f"MB, all weights {row['worker_weight_bytes'] / 1e6:.2f} MB) in {row['groups']} groups", flush=True)
-        print(f"{tag} step {step + 1}: loss {loss:.3f}, refit {row['refit_seconds']:.3f} s, "
-              f"{row['wire_bytes'] / 1e6:.2f} MB on the wire, {row['bytes_into_each_worker'] / 1e6:.2f} MB into "
-              f"each worker, direct {row['direct_bytes_fraction']:.0%}, engine repacked "
-              f"{row['engine_repacked_bytes'] / 1e6:.2f} MB after landing{fleet}; tokens/logprobs identical to "
-              f"vLLM's own loader: {row['identical_per_replica'] if replicas > 1 else row['identical']}"
-              + ("" if row["identical"] else f" ({row['first_difference']})"), flush=True)
-    # a failed init (a bad option, refused on every side) must not keep the engine from refitting again: vLLM
-    # 0.32 would answer the next call with the failed one's queued replies if every worker raised
     try:
-        engines(trainer, client, model_dir, tp, ports, "reshard", stage_mb=-1, replicas=replicas, port="bad")
-        refused = None
-    except Exception as e:  # noqa: BLE001
-        refused = str(e)
-    print(f"{tag} an init with stage_mb -1: {refused}", flush=True)
-    full = engines(trainer, client, model_dir, tp, ports, "full", replicas=replicas)
-    base = [summarize(full.send_weights()) for _ in range(baseline_iters)]
-    after_full = [generate(x) for x in llms]
-    baseline = {"refit_seconds": statistics.median(b["refit_seconds"] for b in base),
-                "wire_bytes": base[0]["wire_bytes"], "bytes_into_each_worker": base[0]["bytes_into_each_worker"],
-                "direct_bytes_fraction": 0.0, "identical": after_full == ours}
-    reshard_s = statistics.median(r["refit_seconds"] for r in out)
-    print(f"{tag} baseline (full tensors to every worker, then load_weights): "
-          f"{baseline['refit_seconds']:.3f} s, {baseline['wire_bytes'] / 1e6:.2f} MB on the wire, "
-          f"{baseline['bytes_into_each_worker'] / 1e6:.2f} MB into each worker; reshard "
-          f"{reshard_s:.3f} s: {baseline['refit_seconds'] / reshard_s:.2f}x faster, "
-          f"{baseline['bytes_into_each_worker'] / max(1, out[-1]['bytes_into_each_worker']):.1f}x fewer bytes into "
-          f"each worker", flush=True)
-    torch.distributed.destroy_process_group()
-    rank1.join(timeout=120)
-    del llm, llms
-    return {"model": kind, "tp": tp, "replicas": replicas, "first_refit_seconds": first["refit_seconds"], "steps": out,
-            "baseline": baseline, "refused_init": refused, "layers": num_layers, "stage_mb": stage_mb}
+        tag = f"[{kind} tp{tp}{f' x{replicas} replicas' if replicas > 1 else ''}]"
+        t0 = time.perf_counter()
+        llms = [make_engine(model_dir, tp, weight_transfer_config={"backend": "reshard"}) for _ in range(replicas)]
+        llm = llms[0]
+        print(f"{tag} engine(s) up in {time.perf_counter() - t0:.0f} s", flush=True)
+        client = [LLMClient(x) for x in llms] if replicas > 1 else LLMClient(llm)
+        trainer = Trainer(0, model_dir, ports["trainer"])
+        engine = engines(trainer, client, model_dir, tp, ports, "reshard", replicas=replicas, stage_mb=stage_mb)
+        first = summarize(engine.send_weights())  # the initial weights again; builds the plan
+        print(f"{tag} first refit (plan built): {first['refit_seconds']:.3f} s", flush=True)
+        initial = generate(llm)
+        out = []
+        for step in range(steps):
+            loss = trainer.step(step)
+            row = {"step": step + 1, "loss": loss, **summarize(engine.send_weights(weight_version=str(step + 1)))}
+            ours = [generate(x) for x in llms]
+            ckpt = os.path.join(root, f"{kind}-tp{tp}-step{step + 1}")
+            trainer.save(ckpt)
+            theirs = reference(ckpt, tp)  # vLLM's own loader, in a fresh engine
+            row["identical_per_replica"] = [o == theirs for o in ours]
+            row["identical"] = all(row["identical_per_replica"])
+            if not row["identical"]:
+                row["first_difference"] = first_difference(next(o for o in ours if o != theirs), theirs)
+            row["tokens_changed_since_start"] = [a[0] != b[0] for a, b in zip(ours[0], initial)]
+            out.append(row)
+            fleet = "" if replicas == 1 else (
+                f", trainer sent {row['wire_bytes'] / 1e6:.2f} MB (minimum {row['min_wire_bytes'] / 1e6:.2f} MB; one "
+                f"refit per replica {row['separate_refits_wire_bytes'] / 1e6:.2f} MB, gather->broadcast "
+                f"{row['broadcast_wire_bytes'] / 1e6:.2f} MB), replicas forwarded {row['forwarded_bytes'] / 1e6:.2f} MB")
+            print(f"{tag} step {step + 1}: staged at most {row['peak_staged_bytes'] / 1e6:.2f} MB per worker (budget "
+                  f"{(row['stage_budget_bytes'] or 0) / 1e6:.2f} MB, largest layer {row['largest_layer_bytes'] / 1e6:.2f} "
+                  f"MB, all weights {row['worker_weight_bytes'] / 1e6:.2f} MB) in {row['groups']} groups", flush=True)
+            print(f"{tag} step {step + 1}: loss {loss:.3f}, refit {row['refit_seconds']:.3f} s, "
+                  f"{row['wire_bytes'] / 1e6:.2f} MB on the wire, {row['bytes_into_each_worker'] / 1e6:.2f} MB into "
+                  f"each worker, direct {row['direct_bytes_fraction']:.0%}, engine repacked "
+                  f"{row['engine_repacked_bytes'] / 1e6:.2f} MB after landing{fleet}; tokens/logprobs identical to "
+                  f"vLLM's own loader: {row['identical_per_replica'] if replicas > 1 else row['identical']}"
+                  + ("" if row["identical"] else f" ({row['first_difference']})"), flush=True)
+        # a failed init (a bad option, refused on every side) must not keep the engine from refitting again: vLLM
+        # 0.32 would answer the next call with the failed one's queued replies if every worker raised
+        try:
+            engines(trainer, client, model_dir, tp, ports, "reshard", stage_mb=-1, replicas=replicas, port="bad")
+            refused = None
+        except Exception as e:  # noqa: BLE001
+            refused = str(e)
+        print(f"{tag} an init with stage_mb -1: {refused}", flush=True)
+        try:
+            baseline = run_baseline(trainer, client, model_dir, tp, ports, replicas, baseline_iters, llms, ours,
+                                    out, tag)
+        except Exception as e:  # noqa: BLE001 - the case ends, and says why, rather than waiting on trainer rank 1
+            baseline = {"identical": False, "error": f"{type(e).__name__}: {e}"}
+            print(f"{tag} BASELINE FAILED (full tensors to every worker, then load_weights): {baseline['error']}",
+                  flush=True)
+            rank1.terminate()  # its side of the failed baseline waits on peers that gave up
+        torch.distributed.destroy_process_group()
+        rank1.join(timeout=120)
+        del llm, llms
+        return {"model": kind, "tp": tp, "replicas": replicas, "first_refit_seconds": first["refit_seconds"],
+                "steps": out, "baseline": baseline, "refused_init": refused, "layers": num_layers, "stage_mb": stage_mb}
+    finally:  # a case that failed ends here rather than waiting on trainer rank 1 at exit
+        if rank1.is_alive():
+            rank1.terminate()
+            rank1.join(timeout=10)
 
 
 def run_models(root: str, steps: int, baseline_iters: int) -> dict:
     """`--models all`: every family's storage judged (vllm_families), then the hybrids refit at TP1 and TP2 and
     their tokens judged; the others' `tokens_identical` null with the reason."""
     models = vllm_families.run(root)
-    runs = {}
+    runs, errors = {}, {}
     for family, kind in TOKENS.items():
         for tp in (1, 2):
-            case = run_case(kind, tp, steps, baseline_iters, root)
+            try:
+                case = run_case(kind, tp, steps, baseline_iters, root)
+            except Exception as e:  # noqa: BLE001 - one family's failure is reported, the others still run
+                print(f"[{kind} tp{tp}] FAILED: {type(e).__name__}: {e}", flush=True)
+                runs[family, tp], errors[family, tp] = False, f"{type(e).__name__}: {e}"
+                continue
             runs[family, tp] = all(s["identical"] and s["checksums_ok"] for s in case["steps"]) \
                 and case["baseline"]["identical"]
+            if "error" in case["baseline"]:
+                errors[family, tp] = f"the full-tensor baseline: {case['baseline']['error']}"
     for m in models:
         if (m["family"], m["tp"]) in runs and not m["expert_parallel"]:
             m["tokens_identical"] = runs[m["family"], m["tp"]]
+            if (m["family"], m["tp"]) in errors:
+                m["tokens_error"] = errors[m["family"], m["tp"]]
         elif m["storage_identical"] is not None:
             m["tokens_reason"] = ("not run by --models all: an LLM per family and parallel config takes minutes "
                                   "here; the storage is judged by vLLM's loader (examples/vllm_refit.py --model "

@@ -397,19 +397,21 @@ def test_backend_through_vllms_plugin_and_factory(tmp_path, config, transport):
     dst = tmp_path / "vllm.yaml"
     dst.write_text(f"model: {model_dir / 'config.json'}\nformat: vllm\nmesh: {{tp: 2}}\n")
     results = _four(_trainer_engine, _engine_backend, str(model_dir), None, str(dst), transport)
-    full = transport == "auto"
+    full, lines = transport == "auto", []
     for rank in (0, 1):
         *steps, bad = results[rank]
         if full:  # the full-tensor path after them: no worker reported an error; then one that failed
             kind, line = steps.pop()
             assert kind == "full-fault" and line.startswith("reshard: ") and "\n" not in line, line
             assert "injected: load_weights failed on " in line and "part of the full-tensor update" in line, line
+            lines.append(line)
             assert steps.pop() == ("full", [None, None]), (rank, steps)
         assert [ok for ok, _ in steps] == [True] * STEPS, (rank, steps)
         assert all(sum(got) > 0 for _, got in steps)
         # a worker that is not the layout's ends every rank's wait for the group at once, naming itself
         assert bad.startswith("refit group: refit rank ") and "(vLLM replica " in bad, bad
         assert "dst: the layout has tp 1, the engine runs tp 2" in bad, bad
+    assert len(set(lines)) <= 1, lines  # the same line on every trainer rank
     for rank in (2, 3):
         *steps, bad = results[rank]
         if full:  # what the model computes with after it is vLLM's own load of the same weights

@@ -195,8 +195,10 @@ class ReshardTrainerEngine(FleetTrainer, _api.TrainerWeightTransferEngine):
             except GroupBroken as e:  # after the update: what it committed stays committed
                 groups = self.refit.groups if self.refit is not None else []
                 done = groups if failure is None else failure.committed
-                failure = RefitFailed(f"{e} (after the update)", done, groups, broken=True, ranks=e.ranks,
-                                      line=f"{e} (after the update)")
+                # (the full path has no commit: a trainer rank that sends nothing learns of a worker's failure
+                # here, and says what the sender says)
+                line = f"{e} (after the update)" if self.refit is not None else str(e)
+                failure = RefitFailed(line, done, groups, broken=True, ranks=e.ranks, line=line)
         if failure is not None and self.refit is not None:
             failure.held, failure.torn = self.refit.held(), self.refit.torn()
         elif failure is not None:

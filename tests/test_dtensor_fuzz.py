@@ -64,8 +64,21 @@ def _refit(rank, world, seed, transport):
     return wrong
 
 
-@pytest.mark.parametrize("transport", ["auto", "shm"])
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_dtensor_layouts_land_where_torch_puts_them(seed, transport):
-    results = run_ranks(6, _refit, seed, transport, timeout=300)
-    assert all(not w for w in results.values()), (seed, _layouts(seed), results)
+SEEDS, TRANSPORTS = (1, 2, 3), ("auto", "shm")
+
+
+def _refit_all(rank, world):
+    return {(seed, transport): _refit(rank, world, seed, transport) for seed in SEEDS for transport in TRANSPORTS}
+
+
+@pytest.fixture(scope="module")
+def fuzzed() -> dict:
+    """Every seed over every transport, in one set of six processes (starting them was a third of each case)."""
+    return run_ranks(6, _refit_all, timeout=900)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_dtensor_layouts_land_where_torch_puts_them(fuzzed, seed, transport):
+    wrong = {rank: r[(seed, transport)] for rank, r in fuzzed.items()}
+    assert all(not w for w in wrong.values()), (seed, _layouts(seed), wrong)

@@ -434,3 +434,42 @@ def test_a_set_up_step_held_up_on_one_rank_is_named_by_every_rank(tmp_path, how)
         else:
             assert line.startswith("refit rank 1: transport error (setting up its transport with refit rank 0: "
                                    "RuntimeError: simulated: the communicator could not be created"), (rank, line)
+
+
+def _refits_in_a_row(rank, world, src_path, dst_path):
+    import torch.distributed as dist
+
+    from reshard_cli.transfer import rendezvous
+    from reshard_cli.transfer.live import Refit
+
+    made = []
+    real = dist.TCPStore
+
+    def counting(*args, **kwargs):  # every client connection a watchdog opens to the job's store
+        made.append(args[:2])
+        return real(*args, **kwargs)
+
+    dist.TCPStore = counting
+    try:
+        role, tensors = _tensors(rank, src_path, dst_path)
+        oks, idle = [], []
+        for _ in range(3):
+            refit = Refit(role=role, src=src_path, dst=dst_path, stall=2)
+            oks.append(refit(tensors, verify_checksums=True).checksums_ok)
+            refit.close()
+            idle.append(sorted(id(c) for clients in rendezvous._JOB_CLIENTS.values() for c in clients))
+    finally:
+        dist.TCPStore = real
+    return oks, len(made), idle
+
+
+def test_later_refits_over_the_default_group_reuse_their_store_connections(tmp_path):
+    """Each Refit over the default group watches it over two client connections to the job's store; a closed
+    Refit's are taken by the next one, not opened again (a new connection can wait 5 s in torch's handshake
+    when several ranks connect at once)."""
+    src, dst = _one_to_two(tmp_path)
+    results = run_ranks(3, _refits_in_a_row, src, dst, timeout=120)
+    for rank, (oks, made, idle) in results.items():
+        assert oks == [True] * 3, (rank, oks)
+        assert made == 2, (rank, made)  # the first Refit's two, then none
+        assert len(idle[0]) == 2 and idle[0] == idle[1] == idle[2], (rank, idle)

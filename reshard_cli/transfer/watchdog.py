@@ -81,10 +81,14 @@ class Fault:
 
 class Watchdog:
     def __init__(self, store, rank: int, size: int, *, interval: float = 1.0, stall: float = 10.0,
-                 label: str = "refit rank", prefix: str = ""):
-        """`prefix`: the keys' own space on a store other users share (torchrun's)."""
+                 label: str = "refit rank", prefix: str = "", clients: tuple = (), release=None):
+        """`prefix`: the keys' own space on a store other users share (torchrun's). `clients`: two client
+        connections of the watchdog's own to `store`'s server (checks, beats), instead of new ones; once the
+        group is over and its threads stopped, `give_back` hands them to `release`."""
         self._base, self._prefix = store, prefix + "reshard-watch"
-        self.store = dist.PrefixStore(self._prefix, _own_client(store))  # checks and reports
+        self._clients, self._release = tuple(clients), release
+        self._beat_stopped = True
+        self.store = dist.PrefixStore(self._prefix, clients[0] if clients else _own_client(store))  # checks, reports
         self.rank, self.size, self.interval, self.stall, self.label = rank, size, interval, stall, label
         self.roles: list[str] = [""] * size  # what each rank is, once the group knows ("trainer 0")
         now = time.monotonic()
@@ -94,7 +98,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        beat_store = dist.PrefixStore(self._prefix, _own_client(self._base))  # never shared: see above
+        beat_store = dist.PrefixStore(self._prefix, self._clients[1] if self._clients else _own_client(self._base))
+        self._beat_stopped = False  # its client is never shared while it beats: see above
         self._thread = threading.Thread(target=self._beat, args=(beat_store,), name=f"reshard-heartbeat-{self.rank}",
                                         daemon=True)
         self._thread.start()
@@ -113,8 +118,17 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
+            self._beat_stopped = not self._thread.is_alive()
         self._thread = None
         self._base = None  # the store this group was made on: its server (rank 0) stops with the last reference
+
+    def give_back(self) -> None:
+        """The clients it was given, to `release`, once nothing of this group uses them (its beat stopped);
+        a beat still inside a store call keeps its client."""
+        if self._release is not None and self._beat_stopped:
+            release, self._release = self._release, None
+            for client in self._clients:
+                release(client)
 
     def mark_closed(self) -> None:
         """Say on the store that this group is over: a rank joining the next group on the same host:port while
@@ -371,6 +385,8 @@ class Guard:
             self._helper_thread.join(timeout=1 if self.broken is not None else 5)  # one left blocked cannot
             stuck = self._helper_thread.is_alive()  # be ended: it is a daemon
         self._calls = self._helper_thread = None
+        if self._monitor_thread is None:  # nothing of this group polls the store any more
+            self.watchdog.give_back()
         return stuck
 
 

@@ -373,8 +373,10 @@ class Guard:
         self.watchdog.mark_closed()
         self.watchdog.close()
         self._monitor_stop.set()
-        if self._monitor_thread is not None and self._monitor_thread is not threading.current_thread():
+        polling = self._monitor_thread is not None and self._monitor_thread is threading.current_thread()
+        if self._monitor_thread is not None and not polling:
             self._monitor_thread.join(timeout=POLL + 5)
+            polling = self._monitor_thread.is_alive()
         self._monitor_thread = None
         if self.broken is not None:
             self.abort()  # a helper thread may still be blocked in them
@@ -385,7 +387,7 @@ class Guard:
             self._helper_thread.join(timeout=1 if self.broken is not None else 5)  # one left blocked cannot
             stuck = self._helper_thread.is_alive()  # be ended: it is a daemon
         self._calls = self._helper_thread = None
-        if self._monitor_thread is None:  # nothing of this group polls the store any more
+        if not polling:  # nothing of this group polls the store any more
             self.watchdog.give_back()
         return stuck
 

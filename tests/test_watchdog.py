@@ -1,12 +1,14 @@
 """The group watchdog (transfer/watchdog.py) in one process, over a real TCP store: heartbeats, reported faults,
 guarded waits, and a refit group whose rank 0 never comes; then in small gloo jobs: a stopped rank of a user's
 own job named within the stall limit, a closed Refit, and a transport set-up held up on one rank."""
+import socket
 import threading
 
 import pytest
 import torch.distributed as dist
 
 from dist_util import free_port, run_ranks
+from reshard_cli.base.ports import ephemeral_range
 from reshard_cli.errors import RuntimeFailure
 from reshard_cli.transfer.comm import refit_group
 from reshard_cli.transfer.watchdog import Fault, GroupBroken, Guard, Watchdog
@@ -111,6 +113,30 @@ def test_a_refit_group_whose_store_never_answers_is_one_line():
     assert str(e.value).startswith(f"refit group: rank 1 could not reach rank 0's store at 127.0.0.1:{port} "
                                    f"within 2 s"), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_picked_ports_are_never_ones_the_kernel_hands_out_by_itself():
+    """A port picked for a store that is served later must not be one a gloo listener or an outgoing
+    connection can take meanwhile: those come from the kernel's ephemeral range. Listeners the kernel places
+    (as gloo's are) are never given a picked port, and no port is picked twice."""
+    low, high = ephemeral_range()
+    picked = [free_port("127.0.0.1") for _ in range(50)]
+    assert len(set(picked)) == len(picked)
+    assert not [p for p in picked if low <= p <= high], (low, high, picked)
+    listeners = []
+    try:
+        for _ in range(50):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            listeners.append(sock)
+        assert not {s.getsockname()[1] for s in listeners} & set(picked)
+    finally:
+        for sock in listeners:
+            sock.close()
+    for port in picked[:5]:  # free now: a store can serve there
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 def test_ranks_that_never_join_are_named_with_their_roles():

@@ -14,6 +14,7 @@ is let go of.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import threading
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import RuntimeFailure
-from reshard_cli.transfer.watchdog import Guard, Watchdog, stale
+from reshard_cli.transfer.watchdog import Guard, Watchdog, stale, stop_all
 
 _RELEASING: set = set()  # threads dropping a broken group's process groups (`release_aside`)
 
@@ -138,10 +139,18 @@ def _abandon(store, rank: int, size: int, grace: float) -> None:
 _JOB_CLIENTS: dict[tuple, list] = {}
 
 
+@atexit.register  # registered after watchdog's own `stop_all` (imported above), so it runs first
+def _drop_clients() -> None:
+    """At exit, once every watchdog has stopped (and given its clients back): the idle connections closed
+    while the interpreter is whole, not left to its teardown."""
+    stop_all()
+    _JOB_CLIENTS.clear()
+
+
 def world_guard(device: torch.device | None, *, stall: float, label: str, prefix: str = "") -> Guard | None:
     """A watchdog over the default process group, on the store it was made with when the job set it up from
-    the environment (torchrun, or MASTER_ADDR/MASTER_PORT: a client connection of its own); None when it did
-    not. Its heartbeat key exists at once; start it (`Watchdog.start`) once every rank has made its own (after
+    the environment (torchrun, or MASTER_ADDR/MASTER_PORT: two client connections of its own, taken from the
+    job's idle ones where an earlier watchdog gave them back); None when it did not. Its heartbeat key exists at once; start it (`Watchdog.start`) once every rank has made its own (after
     a collective). A fault shuts the default group down: a wait blocked in it ends. `prefix`: keys of their
     own on that store."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")

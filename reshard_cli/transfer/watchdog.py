@@ -54,7 +54,7 @@ _LIVE: "weakref.WeakSet" = weakref.WeakSet()  # watchdogs and guards whose threa
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all() -> None:
     """Before the interpreter tears down: stop every heartbeat and idle helper thread and wait for them. A
     process that leaves while one of them is inside a store call can abort in C++ ("terminate called without
     an active exception"), for example a script that never closes its refit group."""
@@ -127,6 +127,7 @@ class Watchdog:
         a beat still inside a store call keeps its client."""
         if self._release is not None and self._beat_stopped:
             release, self._release = self._release, None
+            self.store = None  # another group's watchdog may use them next: this one never touches them again
             for client in self._clients:
                 release(client)
 
@@ -368,7 +369,10 @@ class Guard:
     def close(self) -> bool:
         """Stop the heartbeat and the helper thread, ending the group's process groups first (a helper thread
         blocked in one of them returns). Whether the helper thread is still blocked (in a gloo wait on a
-        stopped peer, which ends only at its timeout; or a rendezvous on a store that went away)."""
+        stopped peer, which ends only at its timeout; or a rendezvous on a store that went away). A second close
+        (`stop_all` at exit) does nothing: the clients it gave back may serve another group's watchdog now."""
+        if self.closed:
+            return False
         self.closed = True  # first: a later wait raises, instead of starting a monitor over dead heartbeats
         self.watchdog.mark_closed()
         self.watchdog.close()

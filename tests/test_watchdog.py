@@ -10,6 +10,7 @@ import torch.distributed as dist
 from dist_util import free_port, run_ranks
 from reshard_cli.base.ports import ephemeral_range
 from reshard_cli.errors import RuntimeFailure
+from reshard_cli.transfer import rendezvous
 from reshard_cli.transfer.comm import refit_group
 from reshard_cli.transfer.watchdog import Fault, GroupBroken, Guard, Watchdog
 
@@ -113,6 +114,36 @@ def test_a_refit_group_whose_store_never_answers_is_one_line():
     assert str(e.value).startswith(f"refit group: rank 1 could not reach rank 0's store at 127.0.0.1:{port} "
                                    f"within 2 s"), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_port_where_something_else_listens_is_one_line_not_a_hang(monkeypatch):
+    """A listener that accepts and never answers (another program's port) keeps TCPStore's own client waiting
+    past any timeout; a rank joining a refit group there, and a worker telling it why it cannot join, give up
+    within their timeout and a grace, with one line."""
+    monkeypatch.setattr(rendezvous, "CONNECT_GRACE", 1.0)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port, held = listener.getsockname()[1], []
+    accepting = threading.Thread(target=lambda: [held.append(listener.accept()[0]) for _ in range(2)], daemon=True)
+    accepting.start()
+    try:
+        with pytest.raises(RuntimeFailure) as e:
+            refit_group("127.0.0.1", port, 1, 2, timeout=1)
+        assert str(e.value).startswith(f"refit group: rank 1 could not reach rank 0's store at 127.0.0.1:{port} "
+                                       f"within 1 s (something there accepted the connection and did not answer "
+                                       f"as a store"), str(e.value)
+        assert "\n" not in str(e.value)
+        rendezvous.abort_group("127.0.0.1", port, "a reason", rank=1, timeout=1)  # returns: nobody to tell
+    finally:
+        accepting.join(timeout=10)
+        for conn in held:  # the connecting threads left blocked return now
+            conn.close()
+        listener.close()
+    for thread in threading.enumerate():
+        if thread.name == "reshard-connect":
+            thread.join(timeout=30)
+            assert not thread.is_alive()
 
 
 def test_picked_ports_are_never_ones_the_kernel_hands_out_by_itself():

@@ -46,6 +46,38 @@ def release_aside(pgs: list) -> None:
     thread.start()
 
 
+CONNECT_GRACE = 10.0  # seconds past its timeout a store client may take before it is given up as unanswered
+
+
+class Unanswered(RuntimeError):
+    """Something at host:port accepted the connection and never answered as a store."""
+
+
+def store_client(host: str, port: int, timeout: float):
+    """A client connection to the TCP store at host:port, or an error within `timeout` + CONNECT_GRACE seconds.
+    TCPStore's own client waits without end on a listener that accepts and never answers (another program's
+    port: docs/upstream/tcpstore-client-outlives-its-timeout.md), so it connects on a daemon thread, which is
+    left where it is blocked when it takes too long (Unanswered)."""
+    box: dict = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                                         wait_for_workers=False)
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
+            box["error"] = e
+
+    thread = threading.Thread(target=connect, daemon=True, name="reshard-connect")
+    thread.start()
+    thread.join(timeout + CONNECT_GRACE)
+    if thread.is_alive():
+        raise Unanswered(f"something there accepted the connection and did not answer as a store within "
+                         f"{timeout + CONNECT_GRACE:.0f} s: another program's port?")
+    if "error" in box:
+        raise box["error"]
+    return box["store"]
+
+
 def connect_store(host: str, port: int, rank: int, size: int, timeout: float):
     """The group's store: rank 0 serves it, the others connect. A store that still answers for a group that is
     over (closed or given up; its host has not stopped it yet) is left, and the connection tried again, until
@@ -55,9 +87,10 @@ def connect_store(host: str, port: int, rank: int, size: int, timeout: float):
     while True:
         left = max(deadline - time.monotonic(), 1.0)
         try:
-            store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=left),
-                                  wait_for_workers=False)
-        except (dist.DistStoreError, RuntimeError) as e:  # a port in use, or no rank 0 listening in time
+            store = (dist.TCPStore(host, port, size, is_master=True, timeout=timedelta(seconds=left),
+                                   wait_for_workers=False) if rank == 0 else store_client(host, port, left))
+        except (dist.DistStoreError, RuntimeError) as e:  # a port in use, no rank 0 listening in time, or a
+            # listener that is not a store
             if rank == 0 and not collected and "EADDRINUSE" in str(e):  # this process's own earlier group,
                 collected = True  # kept alive only by a reference cycle (an exception's frames): collect it
                 gc.collect()
@@ -92,8 +125,7 @@ def abort_group(host: str, port: int, reason: str, *, rank: int | None = None, t
     that cannot join it (an engine worker that is not the layout's; `rank` when it has one). Nobody listening
     within `timeout`: nobody to tell."""
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False)
+        store = store_client(host, port, timeout)
         prefixed = dist.PrefixStore("reshard-refit", store)
         prefixed.set("abort", reason)
         if rank is not None:

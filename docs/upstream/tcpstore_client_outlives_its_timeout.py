@@ -16,7 +16,8 @@ import sys, time, datetime
 import torch.distributed as dist
 t0 = time.monotonic()
 try:
-    dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=float(sys.argv[2])))
+    dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
+                  timeout=datetime.timedelta(seconds=float(sys.argv[2])))
     print("connected", flush=True)
 except Exception as e:
     print(f"{type(e).__name__} after {time.monotonic() - t0:.1f} s", flush=True)

@@ -182,9 +182,9 @@ def _drop_clients() -> None:
 def world_guard(device: torch.device | None, *, stall: float, label: str, prefix: str = "") -> Guard | None:
     """A watchdog over the default process group, on the store it was made with when the job set it up from
     the environment (torchrun, or MASTER_ADDR/MASTER_PORT: two client connections of its own, taken from the
-    job's idle ones where an earlier watchdog gave them back); None when it did not. Its heartbeat key exists at once; start it (`Watchdog.start`) once every rank has made its own (after
-    a collective). A fault shuts the default group down: a wait blocked in it ends. `prefix`: keys of their
-    own on that store."""
+    job's idle ones where an earlier watchdog gave them back); None when it did not. Its heartbeat key exists
+    at once; start it (`Watchdog.start`) once every rank has made its own (after a collective). A fault shuts
+    the default group down: a wait blocked in it ends. `prefix`: keys of their own on that store."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port or not dist.is_initialized():
         return None

@@ -299,15 +299,16 @@ def derive(
                    f"against vLLM's loaders in the tests); nothing to derive")
         return
     m = derived.map_of(layout)
-    ranks = [get_summary(layout, r) for r in layout.ranks[: m["tp"]]]
-    typer.echo(f"{layout.manifest.config.get('model_type')} at tp {m['tp']}: vLLM {m['vllm']}'s loaders place every "
+    ranks = [get_summary(layout, r) for r in layout.ranks[: len(m["ranks"])]]  # (dp x tp where experts span dp)
+    typer.echo(f"{layout.manifest.config.get('model_type')} at {derived.grid_name(m['tp'], m.get('dp', 1))}: vLLM "
+               f"{m['vllm']}'s loaders place every "
                f"checkpoint tensor ({m.get('seconds', 0):.1f} s to derive; cached in {derived.cache_dir()})")
     typer.echo(table(["rank", "engine tensors", "written in place", "staged", "staged tensors"],
                      [[s["rank"], s["engine_tensors"], fmt_bytes(s["direct_bytes"]), fmt_bytes(s["staged_bytes"]),
                        s["staged_tensors"]] for s in ranks]))
     if json_out:
         write_json_option("--json", json_out, {"model_type": layout.manifest.config.get("model_type"), "tp": m["tp"],
-                                               "vllm": m["vllm"], "seconds": m.get("seconds"), "ranks": ranks})
+                                               "dp": m.get("dp", 1), "vllm": m["vllm"], "seconds": m.get("seconds"), "ranks": ranks})
 
 
 def get_summary(layout, rank: int) -> dict:

@@ -46,6 +46,35 @@ def test_pieces_that_are_no_shard_replicate():
     assert derived._rule_of(shape, {0: ([0, 0], [148, 128])}, 2, kv=0) == ("replicate",)
 
 
+def test_experts_over_the_replicas():
+    """A map over dp 2 x tp 2 (expert parallelism spans the replicas): a layer's stacked experts (gpt-oss),
+    four to a rank in EP rank order (dp_rank * tp + tp_rank), are a shard over dp then tp, as DTensor nests
+    Shard(0) on both mesh dims; a tensor every replica loads alike keeps its TP rule; one the replicas load
+    apart in no shard's way goes whole to every rank."""
+    shape = (16, 8, 4)
+    experts = {r: ([4 * r, 0, 0], [4 * r + 4, 8, 4]) for r in range(4)}
+    assert derived._rule_of(shape, experts, 2, kv=0, dp=2) == ("grid", 0)
+    for r in range(4):
+        b = shard_box(shape, (2, 2), (r // 2, r % 2), (0, 0))
+        assert (list(b.offsets), [o + s for o, s in zip(b.offsets, b.sizes)]) == tuple(experts[r])
+    rows = _boxes((96, 64), 2, (0,))
+    assert derived._rule_of((96, 64), {r: rows[r % 2] for r in range(4)}, 2, kv=0, dp=2) == ("shard", 0, 1)
+    odd = {0: ([0, 0], [8, 4]), 1: ([0, 0], [8, 4]), 2: ([8, 0], [16, 4]), 3: ([0, 0], [16, 4])}
+    assert derived._rule_of((16, 4), odd, 2, kv=0, dp=2) == ("replicate",)
+
+
+def test_derivation_processes(monkeypatch):
+    """`RESHARD_DERIVE_JOBS` children trace a map's ranks at once, never more than there are ranks; a value that
+    is not a number is one line naming the variable."""
+    from reshard_cli.engines.vllm import maps
+
+    monkeypatch.setenv("RESHARD_DERIVE_JOBS", "3")
+    assert (maps.jobs(32), maps.jobs(2)) == (3, 2)
+    monkeypatch.setenv("RESHARD_DERIVE_JOBS", "many")
+    with pytest.raises(ConfigError, match="RESHARD_DERIVE_JOBS.*'many'"):
+        maps.jobs(4)
+
+
 def test_patterns_match_every_layer_and_no_other_name():
     p = derived._pattern("backbone.layers.12.mixer.conv1d.weight")
     import re

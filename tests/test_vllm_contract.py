@@ -103,6 +103,8 @@ SYMBOLS: list[tuple[str, str, tuple | None]] = [
     ("vllm.config", "set_current_vllm_config", ((X,), ())),
     ("vllm.model_executor.model_loader.utils", "initialize_model", ((), ("vllm_config",))),
     ("vllm.utils.torch_utils", "set_default_torch_dtype", ((X,), ())),
+    # (compat.expert_maps_on_cpu: the expert maps built on the CPU while the model is built on the meta device)
+    ("vllm.model_executor.layers.fused_moe.expert_map_manager", "ExpertMapManager", None),
 ]
 
 

@@ -37,15 +37,17 @@ def cache(tmp_path_factory):
     mp.undo()
 
 
-def _layout(tmp_path, config: dict, tp: int, derive: bool = True, engine: str = ""):
-    """A `format: vllm` layout of `config` at `tp`, its map derived in this process first (`derive`)."""
+def _layout(tmp_path, config: dict, tp: int, derive: bool = True, engine: str = "", dp: int = 1):
+    """A `format: vllm` layout of `config` at `tp` (`dp` replicas), its map derived in this process first
+    (`derive`; over dp x tp ranks where expert parallelism spans the replicas)."""
     (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "infer.yaml").write_text(f"model: config.json\nformat: vllm\nmesh: {{tp: {tp}}}\n{engine}")
+    mesh = f"{{dp: {dp}, tp: {tp}}}" if dp > 1 else f"{{tp: {tp}}}"
+    (tmp_path / "infer.yaml").write_text(f"model: config.json\nformat: vllm\nmesh: {mesh}\n{engine}")
     if derive:
         manifest = manifest_from_hf_config(config, name="m")
         ckpt = {t.name: list(t.shape) for t in manifest.tensors}
         ep = "expert_parallel: true" in engine
-        derived.save_map(derive_map(config, tp, ep, "linear", ckpt), manifest.tensors)
+        derived.save_map(derive_map(config, tp, ep, "linear", ckpt, dp if ep else 1), manifest.tensors)
     return load_layout(tmp_path / "infer.yaml")
 
 
@@ -63,14 +65,38 @@ def test_derived_storage_is_vllms_load(cache, tmp_path, family, tp, engine):
         assert storage_against_load(layout, rank, seed=rank) == [], (family, tp, rank)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
-def test_hand_rules_judged_the_same_way(tmp_path, family):
-    """The seven hand-ruled families go through the same judge: their storage is vLLM's load too."""
+@pytest.mark.parametrize("family,tp,dp", [("qwen3_next", 2, 2), ("gpt_oss", 1, 2)])
+def test_experts_over_the_replicas_are_vllms_load(cache, tmp_path, family, tp, dp):
+    """Expert parallelism over dp x tp (`--data-parallel-size` with `--enable-expert-parallel`): every rank
+    traced with its replica's place in vLLM's EP group, and every rank's storage judged by vLLM's own load.
+    Qwen3-Next's experts are whole tensors with one owner each; gpt-oss stacks a layer's experts in one tensor,
+    which the map shows sharded over dp, then tp."""
+    from test_vllm_derive import GPT_OSS
+
+    layout = _layout(tmp_path, {"qwen3_next": QWEN3_NEXT, "gpt_oss": GPT_OSS}[family], tp, engine=EP, dp=dp)
+    assert layout.experts == ("dp", "tp")  # (a dp x tp mesh, tp 1 included)
+    assert len(derived.map_of(layout)["ranks"]) == dp * tp
+    for rank in layout.ranks:
+        assert storage_against_load(layout, rank, seed=rank) == [], (family, rank)
+    specs = layout.manifest.tensors
+    if family == "gpt_oss":
+        i = layout.manifest.index("model.layers.0.mlp.experts.gate_up_proj")
+        assert [b.offsets[0] for t, b in (h for r in layout.ranks for h in layout.held(r)) if t == i] == [0, 2]
+    else:
+        owners = [r for r in layout.ranks for t, _b in layout.held(r)
+                  if specs[t].name == "model.layers.0.mlp.experts.3.up_proj.weight"]
+        assert owners == [3]  # 4 experts over 4 EP ranks, vLLM's linear placement
+
+
+@pytest.mark.parametrize("family,dp", [("qwen3", 1), ("deepseek_v3", 1), ("qwen3_moe", 2)])
+def test_hand_rules_judged_the_same_way(tmp_path, family, dp):
+    """The seven hand-ruled families go through the same judge: their storage is vLLM's load too (Qwen3-MoE
+    with its experts over dp 2 x tp 2)."""
     from test_vllm_derive import FAMILIES as HAND
 
-    layout = _layout(tmp_path, HAND[family], 2, derive=False)
+    layout = _layout(tmp_path, HAND[family], 2, derive=False, engine=EP if dp > 1 else "", dp=dp)
     assert not get("vllm").summary(layout, 0)["derived"]
-    assert all(storage_against_load(layout, r) == [] for r in range(2))
+    assert all(storage_against_load(layout, r) == [] for r in layout.ranks)
 
 
 def test_judging_a_derived_map_can_fail(cache, tmp_path):

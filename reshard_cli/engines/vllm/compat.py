@@ -436,6 +436,27 @@ def standin_groups(groups: dict):
         yield
 
 
+@contextlib.contextmanager
+def expert_maps_on_cpu():
+    """vLLM's `ExpertMapManager` built on the CPU while open, whatever the default device: under expert
+    parallelism it reads its own expert map back (`torch.where`, `.item()`), which a model built on the meta
+    device cannot; the maps are a few ints per layer, and the loaders index with them as on a real rank."""
+    import torch
+    from vllm.model_executor.layers.fused_moe import expert_map_manager as emm
+
+    init = emm.ExpertMapManager.__init__
+
+    @functools.wraps(init)
+    def on_cpu(self, *args, **kwargs):
+        with torch.device("cpu"):
+            init(self, *args, **kwargs)
+    with contextlib.ExitStack() as stack:
+        from unittest import mock
+
+        stack.enter_context(mock.patch.object(emm.ExpertMapManager, "__init__", on_cpu))
+        yield
+
+
 def build_model(model_dir: str, *, tp_size: int, expert_parallel: bool, expert_placement: str, dtype: str,
                 device: str):
     """vLLM's model for the HF config in `model_dir` as one TP rank builds it (no weights loaded, no engine,
@@ -451,7 +472,8 @@ def build_model(model_dir: str, *, tp_size: int, expert_parallel: bool, expert_p
                         expert_placement_strategy=expert_placement)
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
     vc = VllmConfig(model_config=mc, parallel_config=pc, device_config=DeviceConfig("cpu"))
-    with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype), torch.device(device):
+    with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype), torch.device(device), \
+            (expert_maps_on_cpu() if device == "meta" else contextlib.nullcontext()):
         return initialize_model(vllm_config=vc), vc
 
 

@@ -1,11 +1,13 @@
 """Storage maps of the families `formats.vllm` has no hand rules for, learnt from vLLM's own loaders.
 
-Every TP rank's model is built on the meta device and its `load_weights` traced (`trace.derive_meta`), then
-the copies are written as a `formats.derived` map to the cache, where planning reads them without vLLM. The
-derivation runs in a child process (`provide`, reshard's `reshard.storage_derivers` entry point): vLLM's
-parallel state and config context of the process that asks (a live worker) stay untouched.
+Every rank's model (each TP rank; each rank of dp x tp where expert parallelism spans the data-parallel
+replicas) is built on the meta device and its `load_weights` traced (`trace.derive_meta`), then the copies are
+written as a `formats.derived` map to the cache, where planning reads them without vLLM. The derivation runs
+in child processes (`provide`, reshard's `reshard.storage_derivers` entry point; `RESHARD_DERIVE_JOBS` of
+them, one per core by default, each tracing its share of the ranks): vLLM's parallel state and config
+context of the process that asks (a live worker) stay untouched.
 
-    python -m reshard_cli.engines.vllm.maps < request.json     # {"config", "tp", "expert_parallel", ...}
+    python -m reshard_cli.engines.vllm.maps < request.json     # {"config", "tp", "ranks": [...], ...}
 """
 from __future__ import annotations
 
@@ -22,19 +24,23 @@ from reshard_cli.engines.vllm import compat
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import derived
 
+JOBS_ENV = "RESHARD_DERIVE_JOBS"
 
-def derive_map(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict) -> dict:
-    """The `formats.derived` map of `config` over `tp` ranks, each rank's load traced in this process."""
+
+def derive_ranks(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict, dp: int,
+                 ranks) -> list[dict]:
+    """The map entries (`formats.derived.encode`'s `ranks[r]`) of map ranks `ranks` (r = dp_rank * tp +
+    tp_rank), each rank's load traced in this process."""
     from reshard_cli.engines.vllm.derive import EXACT, derive
     from reshard_cli.engines.vllm.trace import NotOnMeta, derive_meta
 
-    ranks = []
-    for r in range(tp):
-        options = dict(tp_size=tp, tp_rank=r, expert_parallel=expert_parallel, expert_placement=placement,
-                       checkpoint=checkpoint)
+    out = []
+    for r in ranks:
+        options = dict(tp_size=tp, tp_rank=r % tp, expert_parallel=expert_parallel, expert_placement=placement,
+                       checkpoint=checkpoint, dp_size=dp, dp_rank=r // tp)
         try:
             d = derive_meta(config, **options)
-        except NotOnMeta as e:  # (EP's expert map): a real build, each element its own address, where it fits
+        except NotOnMeta as e:  # a real build, each element its own address, where it fits
             if sum(math.prod(s) for s in checkpoint.values()) >= EXACT:
                 raise ConfigError(f"{e}; at this size ({sum(math.prod(s) for s in checkpoint.values())} "
                                   f"elements) no derivation can place it", key="model") from None
@@ -47,39 +53,93 @@ def derive_map(config: dict, tp: int, expert_parallel: bool, placement: str, che
                    [[c.source, list(c.offsets), list(c.sizes), derived.encode_region(c.region), c.transform]
                     for c in p.copies]]
                   for p in d.params.values() if p.copies]
-        ranks.append({"params": params, "unplaced": list(d.unplaced)})
-    return derived.encode(config, tp, expert_parallel, placement, compat.version(), ranks)
+        out.append({"params": params, "unplaced": list(d.unplaced)})
+    return out
 
 
-def provide(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict) -> dict | None:
-    """`derive_map` in a child process (module doc); a failure there is one ConfigError with its last line.
-    None where vLLM is not installed."""
+def _check_dp(dp: int, expert_parallel: bool) -> None:
+    if dp > 1 and not expert_parallel:
+        raise ConfigError("data-parallel replicas hold the same storage; only expert parallelism spans them",
+                          key="model")
+
+
+def derive_map(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict, dp: int = 1) -> dict:
+    """The `formats.derived` map of `config` over `tp` ranks (times `dp` replicas where expert parallelism
+    spans them: rank dp_rank * tp + tp_rank), every rank traced in this process."""
+    _check_dp(dp, expert_parallel)
+    ranks = derive_ranks(config, tp, expert_parallel, placement, checkpoint, dp, range(dp * tp))
+    return derived.encode(config, tp, expert_parallel, placement, compat.version(), ranks, dp)
+
+
+def jobs(ranks: int) -> int:
+    """Child processes a derivation of `ranks` ranks runs at once: `RESHARD_DERIVE_JOBS`, else one per core
+    this process may use, at most one per rank (each traces its share of the ranks)."""
+    raw = os.environ.get(JOBS_ENV)
+    try:
+        n = int(raw) if raw else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    except ValueError:
+        raise ConfigError(f"expected a number of processes, got {raw!r}", key=JOBS_ENV) from None
+    return max(1, min(n or 1, ranks))
+
+
+def provide(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict,
+            dp: int = 1) -> dict | None:
+    """`derive_map` in child processes (module doc; `jobs` of them, each tracing every jobs-th rank); a failure
+    there is one ConfigError with its last line. None where vLLM is not installed."""
     if derived.engine_version() is None:
         return None
+    _check_dp(dp, expert_parallel)
+    what = f"vLLM's storage of {config.get('model_type')!r} at {derived.grid_name(tp, dp)}"
+    limit = float(os.environ.get("RESHARD_DERIVE_TIMEOUT", "600"))
+    n = jobs(dp * tp)
     with tempfile.TemporaryDirectory(prefix="reshard-derive-") as tmp:
-        out = Path(tmp, "map.json")
-        request = json.dumps({"config": config, "tp": tp, "expert_parallel": expert_parallel,
-                              "placement": placement, "checkpoint": checkpoint, "out": str(out)})
-        limit = float(os.environ.get("RESHARD_DERIVE_TIMEOUT", "600"))
+        children = []
+        for j in range(n):
+            out = Path(tmp, f"ranks{j}.json")
+            request = json.dumps({"config": config, "tp": tp, "expert_parallel": expert_parallel, "dp": dp,
+                                  "placement": placement, "checkpoint": checkpoint, "out": str(out),
+                                  "ranks": list(range(j, dp * tp, n))})
+            Path(tmp, f"request{j}.json").write_text(request)
+            with open(Path(tmp, f"request{j}.json")) as stdin, open(Path(tmp, f"log{j}"), "w") as log:
+                children.append((out, subprocess.Popen([sys.executable, "-m", "reshard_cli.engines.vllm.maps"],
+                                                       stdin=stdin, stdout=log, stderr=subprocess.STDOUT)))
         try:
-            proc = subprocess.run([sys.executable, "-m", "reshard_cli.engines.vllm.maps"], input=request,
-                                  capture_output=True, text=True, timeout=limit)
-        except subprocess.TimeoutExpired:
-            raise ConfigError(f"deriving vLLM's storage of {config.get('model_type')!r} at tp {tp} took longer than "
-                              f"{limit:g} s (RESHARD_DERIVE_TIMEOUT)", key="model") from None
-        if proc.returncode or not out.exists():
-            lines = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.startswith("reshard:")]
-            why = lines[-1].removeprefix("reshard: ") if lines else f"exit {proc.returncode}"
-            raise ConfigError(f"deriving vLLM's storage of {config.get('model_type')!r} at tp {tp} failed: {why}",
-                              key="model")
-        return json.loads(out.read_text())
+            results = [_collect(proc, out, what, time.monotonic() + limit, limit) for out, proc in children]
+        finally:
+            for _out, proc in children:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        ranks: list = [None] * (dp * tp)
+        for j, part in enumerate(results):
+            for r, entry in zip(range(j, dp * tp, n), part["ranks"]):
+                ranks[r] = entry
+        m = derived.encode(config, tp, expert_parallel, placement, results[0]["vllm"], ranks, dp)
+        m["seconds"] = max(part["seconds"] for part in results)
+        return m
+
+
+def _collect(proc, out: Path, what: str, deadline: float, limit: float) -> dict:
+    """One child's ranks (`_main`'s file), or one ConfigError with the child's last `reshard:` line."""
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"deriving {what} took longer than {limit:g} s (RESHARD_DERIVE_TIMEOUT)",
+                          key="model") from None
+    if proc.returncode or not out.exists():
+        text = out.with_name(out.name.replace("ranks", "log")).read_text(errors="replace")
+        lines = [ln for ln in text.strip().splitlines() if ln.startswith("reshard:")]
+        why = lines[-1].removeprefix("reshard: ") if lines else f"exit {proc.returncode}"
+        raise ConfigError(f"deriving {what} failed: {why}", key="model")
+    return json.loads(out.read_text())
 
 
 def _main() -> int:
     req = json.loads(sys.stdin.read())
     t0 = time.perf_counter()
     try:
-        m = derive_map(req["config"], req["tp"], req["expert_parallel"], req["placement"], req["checkpoint"])
+        ranks = derive_ranks(req["config"], req["tp"], req["expert_parallel"], req["placement"], req["checkpoint"],
+                             req.get("dp", 1), req["ranks"])
     except ConfigError as e:
         print(f"reshard: {e}", file=sys.stderr)
         return 2
@@ -87,8 +147,8 @@ def _main() -> int:
         print(f"reshard: vLLM failed building or loading it: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
               file=sys.stderr)
         return 1
-    m["seconds"] = round(time.perf_counter() - t0, 3)
-    Path(req["out"]).write_text(json.dumps(m))
+    Path(req["out"]).write_text(json.dumps({"ranks": ranks, "vllm": compat.version(),
+                                            "seconds": round(time.perf_counter() - t0, 3)}))
     return 0
 
 

@@ -188,9 +188,12 @@ def test_auto_never_slower_than_a_fixed_mode(pair, topology):
     assert sum(r["tensors"] for r in routes.values()) == len(load_pair(*(ROOT / p for p in pair))[0].manifest.tensors)
 
 
-def test_deepseek_auto_within_1_2x_of_the_bound():
+def test_deepseek_auto_within_1_3x_of_the_bound():
+    """(1.15x while the shared experts were planned TP-sharded; vLLM keeps them whole on every rank of this
+    DP + EP layout: the busiest source rank then sends 7.62 GB even with each piece split evenly over the ranks
+    that hold it, 152 ms, 1.11x the domain-level bound, which lets a domain's ranks share out their sends.)"""
     pred = _predicted(DEEPSEEK, TOPOLOGIES[0])
-    assert pred.modes["auto"].seconds <= 1.2 * pred.bound.seconds
+    assert pred.modes["auto"].seconds <= 1.3 * pred.bound.seconds
     assert pred.modes["auto"].seconds < pred.modes["hybrid"].seconds / 10  # the old default: 15x the bound
 
 

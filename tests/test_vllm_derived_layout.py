@@ -86,12 +86,15 @@ def test_experts_over_the_replicas_are_vllms_load(cache, tmp_path, family, tp, d
         owners = [r for r in layout.ranks for t, _b in layout.held(r)
                   if specs[t].name == "model.layers.0.mlp.experts.3.up_proj.weight"]
         assert owners == [3]  # 4 experts over 4 EP ranks, vLLM's linear placement
+        shared = layout.placements[layout.manifest.index("model.layers.0.mlp.shared_expert.up_proj.weight")]
+        assert shared.describe() == "default[replicate]"  # sequence-parallel MoE: whole on every rank
 
 
-@pytest.mark.parametrize("family,dp", [("qwen3", 1), ("deepseek_v3", 1), ("qwen3_moe", 2)])
+@pytest.mark.parametrize("family,dp", [("qwen3", 1), ("deepseek_v3", 1), ("qwen3_moe", 2), ("deepseek_v3", 2)])
 def test_hand_rules_judged_the_same_way(tmp_path, family, dp):
     """The seven hand-ruled families go through the same judge: their storage is vLLM's load too (Qwen3-MoE
-    with its experts over dp 2 x tp 2)."""
+    and DeepSeek-V3 with their experts over dp 2 x tp 2, where vLLM runs the MoE layers sequence-parallel and
+    keeps DeepSeek's shared experts whole on every rank)."""
     from test_vllm_derive import FAMILIES as HAND
 
     layout = _layout(tmp_path, HAND[family], 2, derive=False, engine=EP if dp > 1 else "", dp=dp)

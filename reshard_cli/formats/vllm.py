@@ -51,6 +51,7 @@ _ROW = r"(o_proj|down_proj)\.weight$|experts\.\d+\.w2\.weight$"  # Mixtral's exp
 _KV = r"(k_proj|v_proj)\.(weight|bias)$"
 _VOCAB = r"embed_tokens\.weight$|lm_head\.weight$"
 _EXPERT = r"(mlp|block_sparse_moe)\.experts\.\d+\."
+_SHARED = r"mlp\.shared_experts\."  # DeepSeek-V3 / Kimi-K2's shared experts, in MoE layers only
 
 
 def vllm_pp_layers(num_layers: int, pp: int) -> list[int]:
@@ -94,6 +95,8 @@ def expand(doc: dict, manifest, file: str) -> dict:
     rules: list[dict] = []
     if ep and any(re.search(_EXPERT, t.name) for t in manifest.tensors):
         rules.append({"match": _EXPERT, "mesh": "default"})  # whole experts, one owner each
+    if sequence_parallel_moe(mesh, ep):
+        rules.append({"match": _SHARED, "mesh": "default"})  # whole on every rank, as vLLM keeps them there
     if not mla and kv and tp > 1:
         rules.append(_kv_rule(doc, meshes, tp, kv, file))
     tied = bool(config.get("tie_word_embeddings")) and not any(t.name.endswith("lm_head.weight")
@@ -115,6 +118,13 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if ep:
         out["experts"] = {"dims": [d for d in ("dp", "tp") if d in mesh], "order": effective_placement(order, config)}
     return out
+
+
+def sequence_parallel_moe(mesh: dict, ep: bool) -> bool:
+    """Whether vLLM runs these MoE layers sequence-parallel (`ParallelConfig.use_sequence_parallel_moe` with its
+    default all2all backend, allgather_reducescatter, and the DeepSeek family's own condition of one pipeline
+    stage): expert parallelism over dp > 1 replicas of tp > 1. Each rank then holds the shared experts whole."""
+    return ep and int(mesh.get("dp", 1)) > 1 and int(mesh.get("tp", 1)) > 1 and int(mesh.get("pp", 1)) == 1
 
 
 def _expand_derived(doc: dict, manifest, file: str, dims: list, ep: bool, order: str, config: dict) -> dict:

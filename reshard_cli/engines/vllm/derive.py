@@ -145,7 +145,7 @@ def _vllm(config: dict, tp_size: int, tp_rank: int, expert_parallel: bool, exper
         with compat.standin_groups({name: _Group(size, rank) for name, (size, rank) in groups.items()}):
             yield lambda dtype, device: compat.build_model(tmp, tp_size=tp_size, expert_parallel=expert_parallel,
                                                            expert_placement=expert_placement, dtype=dtype,
-                                                           device=device)
+                                                           device=device, dp_size=dp_size, dp_rank=dp_rank)
 
 
 def _tensors(model) -> dict[str, torch.Tensor]:

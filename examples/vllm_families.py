@@ -2,7 +2,8 @@
 --json OUT`).
 
 For each family a tiny config (2-4 layers, every layer kind of the family) at TP1, TP2 and, where it has
-experts, TP2 with expert parallelism: the `format: vllm` layout is loaded (the seven hand-ruled families from
+experts, TP2 with expert parallelism and DP2 x TP2 with the experts over the replicas (where vLLM runs the MoE
+layers sequence-parallel): the `format: vllm` layout is loaded (the seven hand-ruled families from
 `formats.vllm`'s rules, any other from a storage map vLLM's own loaders give, `formats.derived`), and on every
 rank the storage is judged by `derive.storage_against_load`: vLLM's model class built in this process, loaded
 once by its own `load_weights`, once written as a refit writes it, compared bit for bit. Where this vLLM cannot
@@ -81,25 +82,27 @@ CONFIGS = {
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def cases(config: dict) -> list[tuple[int, bool]]:
-    """(tp, expert_parallel) judged for a family: TP1, TP2, and TP2 with expert parallelism where it has experts."""
-    return [(1, False), (2, False)] + ([(2, True)] if any(config.get(k) for k in EXPERT_KEYS) else [])
+def cases(config: dict) -> list[tuple[int, int, bool]]:
+    """(tp, dp, expert_parallel) judged for a family: TP1, TP2, and where it has experts TP2 with expert
+    parallelism and DP2 x TP2 with the experts over both replicas."""
+    return [(1, 1, False), (2, 1, False)] + ([(2, 1, True), (2, 2, True)] if any(config.get(k) for k in EXPERT_KEYS)
+                                             else [])
 
 
-def judge(name: str, config: dict, tp: int, ep: bool, root: str) -> dict:
+def judge(name: str, config: dict, tp: int, ep: bool, root: str, dp: int = 1) -> dict:
     """One family x parallel config: how its storage was placed and whether it is vLLM's load, rank by rank."""
     from reshard_cli.engines.vllm.derive import storage_against_load
     from reshard_cli.errors import ConfigError
     from reshard_cli.formats import derived, load_layout
 
-    entry = {"family": name, "model_type": config["model_type"], "tp": tp, "expert_parallel": ep,
+    entry = {"family": name, "model_type": config["model_type"], "tp": tp, "dp": dp, "expert_parallel": ep,
              "derived": None, "storage_identical": None, "tokens_identical": None, "unplaced": None, "reason": None}
-    path = os.path.join(root, f"{name}-tp{tp}{'-ep' if ep else ''}")
+    path = os.path.join(root, f"{name}-{'dp' + str(dp) + '-' if dp > 1 else ''}tp{tp}{'-ep' if ep else ''}")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     with open(os.path.join(path, "infer.yaml"), "w") as f:
-        f.write(f"model: config.json\nformat: vllm\nmesh: {{tp: {tp}}}\n"
+        f.write(f"model: config.json\nformat: vllm\nmesh: {{{f'dp: {dp}, ' if dp > 1 else ''}tp: {tp}}}\n"
                 + ("engine: {expert_parallel: true}\n" if ep else ""))
     try:
         layout = load_layout(os.path.join(path, "infer.yaml"))
@@ -119,11 +122,12 @@ def run(root: str) -> list[dict]:
     os.environ.setdefault("RESHARD_DERIVE_TIMEOUT", "180")  # a derivation that cannot finish is named, not waited on
     out = []
     for name, config in CONFIGS.items():
-        for tp, ep in cases(config):
-            entry = judge(name, config, tp, ep, root)
+        for tp, dp, ep in cases(config):
+            entry = judge(name, config, tp, ep, root, dp)
             out.append(entry)
             state = {True: "identical to vLLM's load", False: "DIFFERS from vLLM's load", None: "not judged"}
             how = {True: "derived from vLLM", False: "hand rules", None: "not placed"}[entry["derived"]]
-            print(f"[{name} tp{tp}{' ep' if ep else ''}] {how}; storage {state[entry['storage_identical']]}"
+            where = f"{'dp' + str(dp) + ' ' if dp > 1 else ''}tp{tp}{' ep' if ep else ''}"
+            print(f"[{name} {where}] {how}; storage {state[entry['storage_identical']]}"
                   + (f" ({entry['reason'][:160]})" if entry["reason"] else ""), flush=True)
     return out

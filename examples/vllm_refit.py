@@ -468,7 +468,7 @@ def run_models(root: str, steps: int, baseline_iters: int) -> dict:
             if "error" in case["baseline"]:
                 errors[family, tp] = f"the full-tensor baseline: {case['baseline']['error']}"
     for m in models:
-        if (m["family"], m["tp"]) in runs and not m["expert_parallel"]:
+        if (m["family"], m["tp"]) in runs and not m["expert_parallel"] and m.get("dp", 1) == 1:
             m["tokens_identical"] = runs[m["family"], m["tp"]]
             if (m["family"], m["tp"]) in errors:
                 m["tokens_error"] = errors[m["family"], m["tp"]]

@@ -300,7 +300,8 @@ def derive(
         return
     m = derived.map_of(layout)
     ranks = [get_summary(layout, r) for r in layout.ranks[: len(m["ranks"])]]  # (dp x tp where experts span dp)
-    typer.echo(f"{layout.manifest.config.get('model_type')} at {derived.grid_name(m['tp'], m.get('dp', 1))}: vLLM "
+    grid = derived.grid_name(m["tp"], m.get("dp", 1), m.get("pp", 1))
+    typer.echo(f"{layout.manifest.config.get('model_type')} at {grid}: vLLM "
                f"{m['vllm']}'s loaders place every "
                f"checkpoint tensor ({m.get('seconds', 0):.1f} s to derive; cached in {derived.cache_dir()})")
     typer.echo(table(["rank", "engine tensors", "written in place", "staged", "staged tensors"],
@@ -308,7 +309,8 @@ def derive(
                        s["staged_tensors"]] for s in ranks]))
     if json_out:
         write_json_option("--json", json_out, {"model_type": layout.manifest.config.get("model_type"), "tp": m["tp"],
-                                               "dp": m.get("dp", 1), "vllm": m["vllm"], "seconds": m.get("seconds"), "ranks": ranks})
+                                               "dp": m.get("dp", 1), "pp": m.get("pp", 1), "vllm": m["vllm"],
+                                               "seconds": m.get("seconds"), "ranks": ranks})
 
 
 def get_summary(layout, rank: int) -> dict:

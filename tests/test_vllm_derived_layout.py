@@ -37,17 +37,17 @@ def cache(tmp_path_factory):
     mp.undo()
 
 
-def _layout(tmp_path, config: dict, tp: int, derive: bool = True, engine: str = "", dp: int = 1):
-    """A `format: vllm` layout of `config` at `tp` (`dp` replicas), its map derived in this process first
-    (`derive`; over dp x tp ranks where expert parallelism spans the replicas)."""
+def _layout(tmp_path, config: dict, tp: int, derive: bool = True, engine: str = "", dp: int = 1, pp: int = 1):
+    """A `format: vllm` layout of `config` at `tp` (`dp` replicas, `pp` stages), its map derived in this process
+    first (`derive`; over dp x pp x tp ranks where expert parallelism spans the replicas)."""
     (tmp_path / "config.json").write_text(json.dumps(config))
-    mesh = f"{{dp: {dp}, tp: {tp}}}" if dp > 1 else f"{{tp: {tp}}}"
+    mesh = "{" + ", ".join(f"{d}: {n}" for d, n in (("dp", dp), ("pp", pp), ("tp", tp)) if n > 1 or d == "tp") + "}"
     (tmp_path / "infer.yaml").write_text(f"model: config.json\nformat: vllm\nmesh: {mesh}\n{engine}")
     if derive:
         manifest = manifest_from_hf_config(config, name="m")
         ckpt = {t.name: list(t.shape) for t in manifest.tensors}
         ep = "expert_parallel: true" in engine
-        derived.save_map(derive_map(config, tp, ep, "linear", ckpt, dp if ep else 1), manifest.tensors)
+        derived.save_map(derive_map(config, tp, ep, "linear", ckpt, dp if ep else 1, pp), manifest.tensors)
     return load_layout(tmp_path / "infer.yaml")
 
 
@@ -88,6 +88,27 @@ def test_experts_over_the_replicas_are_vllms_load(cache, tmp_path, family, tp, d
         assert owners == [3]  # 4 experts over 4 EP ranks, vLLM's linear placement
         shared = layout.placements[layout.manifest.index("model.layers.0.mlp.shared_expert.up_proj.weight")]
         assert shared.describe() == "default[replicate]"  # sequence-parallel MoE: whole on every rank
+
+
+@pytest.mark.parametrize("family", ["nemotron_h-groups2", "qwen3_next-tied"])
+def test_pipeline_stages_are_vllms_load(cache, tmp_path, family):
+    """PP2 x TP2: every rank traced with its stage (vLLM builds and loads that stage's layers only), the
+    layers split over the stages as vLLM's loaders put them, the other tensors on the stages that load them
+    (tied embeddings on the first and the last), every rank judged by vLLM's own load."""
+    config = FAMILIES[family] if family in FAMILIES else dict(QWEN3_NEXT, tie_word_embeddings=True)
+    layout = _layout(tmp_path, config, 2, pp=2)
+    assert len(derived.map_of(layout)["ranks"]) == 4
+    for rank in layout.ranks:
+        assert storage_against_load(layout, rank, seed=rank) == [], (family, rank)
+    place = {t.name: layout.placements[i].describe() for i, t in enumerate(layout.manifest.tensors)}
+    if family == "qwen3_next-tied":
+        assert layout.stage_of_layer == (0, 1)
+        assert place["model.embed_tokens.weight"] == "default[pp=(0, 1), tp:S(0)]"
+        assert place["model.norm.weight"] == "default[pp=1]"
+    else:
+        assert layout.stage_of_layer == (0, 0, 1, 1)
+        # vLLM's Nemotron-H builds its embedding, final norm and head on every stage and loads them there
+        assert place["backbone.embeddings.weight"] == place["lm_head.weight"] == "default[pp=(0, 1), tp:S(0)]"
 
 
 @pytest.mark.parametrize("family,dp", [("qwen3", 1), ("deepseek_v3", 1), ("qwen3_moe", 2), ("deepseek_v3", 2)])
@@ -150,3 +171,14 @@ def test_deriver_entry_point_runs_vllm_in_a_child(cache, tmp_path):
     layout = _layout(tmp_path, config, 2, derive=False)
     assert len(set((cache / "vllm-storage").glob("*.json")) - before) == 1
     assert get("vllm").summary(layout, 0)["staged_tensors"] > 0
+
+
+def test_a_derivation_vllm_refuses_is_one_line(cache, tmp_path):
+    """A rank vLLM cannot build (GLM-4 MoE's first stage holds only its dense layer, and vLLM's model looks
+    for an MoE layer there): the child's last line, in one ConfigError naming the family and the ranks."""
+    from reshard_cli.engines.vllm.maps import provide
+
+    manifest = manifest_from_hf_config(GLM4_MOE, name="m")
+    with pytest.raises(ConfigError, match=r"'glm4_moe' at pp 2 x tp 1 failed: vLLM failed building or loading it: "
+                                          r"RuntimeError: No Glm4MoE layer"):
+        provide(GLM4_MOE, 1, False, "linear", {t.name: list(t.shape) for t in manifest.tensors}, pp=2)

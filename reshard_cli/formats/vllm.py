@@ -131,21 +131,24 @@ def _expand_derived(doc: dict, manifest, file: str, dims: list, ep: bool, order:
     """A family without hand rules: its placements inferred from vLLM's storage map (`formats.derived`)."""
     mesh, engine = doc["mesh"], doc.get("engine") or {}
     family = config.get("model_type")
-    if "pp" in mesh:
-        raise ConfigError(f"pipeline stages of a family without hand rules ({family!r}) are not derived yet: vLLM's "
-                          f"loaders are traced over the TP ranks (and the replicas experts span) only", file=file,
-                          key="mesh.pp", line=_line(doc, "mesh"))
+    pp = int(mesh.get("pp", 1))
     if engine.get("quantization"):
         raise ConfigError(f"an FP8 engine of a family without hand rules ({family!r}) is not supported yet",
                           file=file, key="engine.quantization", line=_line(engine, "quantization"))
     placement = "round_robin" if effective_placement(order, config) == "round_robin" else "linear"
     m = derived.maps_for(config, int(mesh.get("tp", 1)), ep, placement, manifest, file,
-                         int(mesh.get("dp", 1)) if ep else 1)
+                         int(mesh.get("dp", 1)) if ep else 1, pp)
     expert = [{"match": _EXPERT, "mesh": "default"}] if ep and any(re.search(_EXPERT, t.name) for t in manifest.tensors) else []
-    rules, meshes = derived.rules(m, manifest, dict(mesh), config, _EXPERT if expert else None)
+    try:
+        layers = derived.pipeline_layers(m, manifest) if pp > 1 else None
+        rules, meshes = derived.rules(m, manifest, dict(mesh), config, _EXPERT if expert else None)
+    except ConfigError as e:
+        raise ConfigError(str(e).removeprefix("model: "), file=file, key="model") from None
     out = {k: v for k, v in doc.items() if k not in ("mesh", "engine")}
     out["meshes"] = {"default": dict(mesh), **meshes}
     out["placements"] = expert + rules
+    if layers:
+        out["pipeline"] = {"dim": "pp", "layers": layers}
     if ep:
         out["experts"] = {"dims": [d for d in ("dp", "tp") if d in mesh], "order": effective_placement(order, config)}
     return out

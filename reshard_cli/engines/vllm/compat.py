@@ -458,12 +458,13 @@ def expert_maps_on_cpu():
 
 
 def build_model(model_dir: str, *, tp_size: int, expert_parallel: bool, expert_placement: str, dtype: str,
-                device: str, dp_size: int = 1, dp_rank: int = 0):
+                device: str, dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1):
     """vLLM's model for the HF config in `model_dir` as one TP rank builds it (no weights loaded, no engine,
     CPU device config), its parameters on torch device `device` ("meta" where construction allows), in model
     dtype `dtype`: (model, vllm_config). `dp_size` > 1: a rank of data-parallel replica `dp_rank`, which vLLM's
     config says too (with expert parallelism and TP > 1 it then runs sequence-parallel MoE, which keeps
-    shared experts whole on every rank). Each call builds a config of its own (a model registers its layers
+    shared experts whole on every rank); `pp_size`: vLLM's pipeline stages (the stand-in PP group says which
+    this rank is). Each call builds a config of its own (a model registers its layers
     in it)."""
     import torch
     from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
@@ -472,7 +473,8 @@ def build_model(model_dir: str, *, tp_size: int, expert_parallel: bool, expert_p
 
     pc = ParallelConfig(tensor_parallel_size=tp_size, enable_expert_parallel=expert_parallel,
                         expert_placement_strategy=expert_placement,
-                        **({"data_parallel_size": dp_size, "data_parallel_rank": dp_rank} if dp_size > 1 else {}))
+                        **({"data_parallel_size": dp_size, "data_parallel_rank": dp_rank} if dp_size > 1 else {}),
+                        **({"pipeline_parallel_size": pp_size} if pp_size > 1 else {}))
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
     vc = VllmConfig(model_config=mc, parallel_config=pc, device_config=DeviceConfig("cpu"))
     with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype), torch.device(device), \

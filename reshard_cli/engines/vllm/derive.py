@@ -105,6 +105,8 @@ class Derived:
     expert_placement: str = "linear"
     dp_size: int = 1  # the data-parallel replicas expert parallelism spans, and this rank's
     dp_rank: int = 0
+    pp_size: int = 1  # pipeline stages, and this rank's
+    pp_rank: int = 0
 
 
 def hf_checkpoint(config: dict) -> dict[str, tuple]:
@@ -132,20 +134,22 @@ class _Group:
 
 @contextlib.contextmanager
 def _vllm(config: dict, tp_size: int, tp_rank: int, expert_parallel: bool, expert_placement: str,
-          dp_size: int = 1, dp_rank: int = 0):
+          dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0):
     """vLLM's parallel groups replaced by `_Group`s (TP: this rank; DP: this replica of `dp_size`, which only
     expert parallelism spans; EP: the dp x tp ranks when `expert_parallel`, rank dp_rank * tp_size + tp_rank
-    as vLLM flattens them; the others of one) while open, for `config` written where vLLM reads it. Yields a
-    function building the model in a dtype on a device (`compat.build_model`)."""
+    as vLLM flattens them; PP: this rank's stage of `pp_size`; the others of one) while open, for `config`
+    written where vLLM reads it. Yields a function building the model in a dtype on a device
+    (`compat.build_model`)."""
     with tempfile.TemporaryDirectory(prefix="reshard-derive-") as tmp:
         Path(tmp, "config.json").write_text(json.dumps(config))
         ep = (dp_size * tp_size, dp_rank * tp_size + tp_rank) if expert_parallel else (1, 0)
-        groups = {"_TP": (tp_size, tp_rank), "_WORLD": (tp_size, tp_rank), "_EP": ep, "_PP": (1, 0),
+        groups = {"_TP": (tp_size, tp_rank), "_WORLD": (tp_size, tp_rank), "_EP": ep, "_PP": (pp_size, pp_rank),
                   "_DP": (dp_size, dp_rank), "_PCP": (1, 0), "_DCP": (1, 0)}
         with compat.standin_groups({name: _Group(size, rank) for name, (size, rank) in groups.items()}):
             yield lambda dtype, device: compat.build_model(tmp, tp_size=tp_size, expert_parallel=expert_parallel,
                                                            expert_placement=expert_placement, dtype=dtype,
-                                                           device=device, dp_size=dp_size, dp_rank=dp_rank)
+                                                           device=device, dp_size=dp_size, dp_rank=dp_rank,
+                                                           pp_size=pp_size)
 
 
 def _tensors(model) -> dict[str, torch.Tensor]:
@@ -292,13 +296,12 @@ def _built(config: dict, build, dtype: str, device: str):
 
 def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bfloat16",
            expert_parallel: bool = False, expert_placement: str = "linear", checkpoint: dict | None = None,
-           dp_size: int = 1, dp_rank: int = 0) -> Derived:
+           dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0) -> Derived:
     """What vLLM's `load_weights` writes where on TP rank `tp_rank` of `tp_size` for an HF `config` (a
     config.json dict, small enough that the checkpoint has under 2**24 elements: a scaled-down model), from
-    `checkpoint` (name -> shape; default `hf_checkpoint(config)`). `expert_parallel`, `expert_placement`:
-    vLLM's `--enable-expert-parallel` and its `--expert-placement-strategy`; `dp_size`, `dp_rank`: the data-parallel
-    replicas the experts spread over too (`--data-parallel-size`), which changes only what expert parallelism
-    places."""
+    `checkpoint` (name -> shape; default `hf_checkpoint(config)`). `expert_parallel`, `expert_placement`: vLLM's
+    `--enable-expert-parallel`, `--expert-placement-strategy`; `dp_size`, `dp_rank`, `pp_size`, `pp_rank`: its
+    data-parallel replicas (experts spread over them) and pipeline stages (a rank builds its layers only)."""
     t0 = time.perf_counter()
     spec = dict(checkpoint) if checkpoint is not None else hf_checkpoint(config)
     names, shapes = list(spec), [tuple(s) for s in spec.values()]
@@ -310,7 +313,8 @@ def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bf
                           f"needs fewer than {EXACT}: scale the config down", key="config")
     items = [(n, (torch.arange(int(sizes[k]), dtype=torch.float32) + float(starts[k] + 1)).reshape(shapes[k]))
              for k, n in enumerate(names)]
-    with _vllm(config, tp_size, tp_rank, expert_parallel, expert_placement, dp_size, dp_rank) as build:
+    with _vllm(config, tp_size, tp_rank, expert_parallel, expert_placement, dp_size, dp_rank, pp_size,
+               pp_rank) as build:
         try:
             typed, _ = _built(config, build, dtype, "meta")
         except NotImplementedError:  # a data-dependent op at construction: build it for real
@@ -349,7 +353,7 @@ def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bf
     placed |= {s for p in params.values() for s in p.transformed if s}
     return Derived(dict(config), tp_size, tp_rank, params, tuple(done),
                    tuple(n for n in names if n not in placed), dict(zip(names, shapes)), time.perf_counter() - t0,
-                   expert_parallel, expert_placement, dp_size, dp_rank)
+                   expert_parallel, expert_placement, dp_size, dp_rank, pp_size, pp_rank)
 
 
 def _probe(vc, model, items, tensors, writer, odd, params, names, shapes) -> list[tuple]:
@@ -415,7 +419,8 @@ def vllm_load(derived: Derived, checkpoint: dict) -> dict[str, torch.Tensor]:
     """The same rank's model (float32, NaN-filled) after vLLM's own `load_weights` of `checkpoint`: its
     parameters by name (those the derivation lists)."""
     with _vllm(derived.config, derived.tp_size, derived.tp_rank, derived.expert_parallel,
-               derived.expert_placement, derived.dp_size, derived.dp_rank) as build:
+               derived.expert_placement, derived.dp_size, derived.dp_rank, derived.pp_size,
+               derived.pp_rank) as build:
         model, vc = _built(derived.config, build, "float32", "cpu")
         tensors = _tensors(model)
         for t in tensors.values():
@@ -506,8 +511,8 @@ def storage_against_load(layout, rank: int, seed: int = 0) -> list[str]:
     the layout puts on the rank copied into what `bind` hands out, the staged ones applied); every element of
     every parameter and buffer must agree, bit for bit (but where vLLM zeroed what no box fills). One line per
     tensor that differs; [] when the storage is vLLM's load. Ranks count from the layout's first."""
-    tp, dp = derived_map.sizes(layout)
-    local = derived_map.map_rank(layout, rank)
+    tp, dp, pp = derived_map.sizes(layout)
+    dp_rank, pp_rank, tp_rank = derived_map.map_coord(layout, rank)
     g = torch.Generator().manual_seed(seed)
     specs = layout.manifest.tensors
     checkpoint = {t.name: torch.randn(t.shape, generator=g).to(getattr(torch, t.dtype)) for t in specs}
@@ -515,7 +520,7 @@ def storage_against_load(layout, rank: int, seed: int = 0) -> list[str]:
     placement = "round_robin" if layout.expert_order == "round_robin" else "linear"
     ours, theirs = {}, {}
     for out in (ours, theirs):
-        with _vllm(config, tp, local % tp, bool(layout.experts), placement, dp, local // tp) as build:
+        with _vllm(config, tp, tp_rank, bool(layout.experts), placement, dp, dp_rank, pp, pp_rank) as build:
             model, vc = _built(config, build, layout.manifest.config.get("torch_dtype") or "bfloat16", "cpu")
             tensors = {n: t for n, t in _tensors(model).items() if t.device.type != "meta"}
             for t in tensors.values():

@@ -1,11 +1,11 @@
 """Storage maps of the families `formats.vllm` has no hand rules for, learnt from vLLM's own loaders.
 
-Every rank's model (each TP rank; each rank of dp x tp where expert parallelism spans the data-parallel
-replicas) is built on the meta device and its `load_weights` traced (`trace.derive_meta`), then the copies are
-written as a `formats.derived` map to the cache, where planning reads them without vLLM. The derivation runs
-in child processes (`provide`, reshard's `reshard.storage_derivers` entry point; `RESHARD_DERIVE_JOBS` of
-them, one per core by default, each tracing its share of the ranks): vLLM's parallel state and config
-context of the process that asks (a live worker) stay untouched.
+Every rank's model (each TP rank of each pipeline stage; times the data-parallel replicas where expert
+parallelism spans them) is built on the meta device and its `load_weights` traced (`trace.derive_meta`),
+then the copies are written as a `formats.derived` map to the cache, where planning reads them without
+vLLM. The derivation runs in child processes (`provide`, reshard's `reshard.storage_derivers` entry point;
+`RESHARD_DERIVE_JOBS` of them, one per core by default, each tracing its share of the ranks): vLLM's
+parallel state and config context of the process that asks (a live worker) stay untouched.
 
     python -m reshard_cli.engines.vllm.maps < request.json     # {"config", "tp", "ranks": [...], ...}
 """
@@ -28,16 +28,17 @@ JOBS_ENV = "RESHARD_DERIVE_JOBS"
 
 
 def derive_ranks(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict, dp: int,
-                 ranks) -> list[dict]:
-    """The map entries (`formats.derived.encode`'s `ranks[r]`) of map ranks `ranks` (r = dp_rank * tp +
-    tp_rank), each rank's load traced in this process."""
+                 ranks, pp: int = 1) -> list[dict]:
+    """The map entries (`formats.derived.encode`'s `ranks[r]`) of map ranks `ranks` (r = (dp_rank * pp +
+    pp_rank) * tp + tp_rank), each rank's load traced in this process."""
     from reshard_cli.engines.vllm.derive import EXACT, derive
     from reshard_cli.engines.vllm.trace import NotOnMeta, derive_meta
 
     out = []
     for r in ranks:
-        options = dict(tp_size=tp, tp_rank=r % tp, expert_parallel=expert_parallel, expert_placement=placement,
-                       checkpoint=checkpoint, dp_size=dp, dp_rank=r // tp)
+        dp_rank, pp_rank, tp_rank = derived.coord(r, tp, pp)
+        options = dict(tp_size=tp, tp_rank=tp_rank, expert_parallel=expert_parallel, expert_placement=placement,
+                       checkpoint=checkpoint, dp_size=dp, dp_rank=dp_rank, pp_size=pp, pp_rank=pp_rank)
         try:
             d = derive_meta(config, **options)
         except NotOnMeta as e:  # a real build, each element its own address, where it fits
@@ -63,12 +64,13 @@ def _check_dp(dp: int, expert_parallel: bool) -> None:
                           key="model")
 
 
-def derive_map(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict, dp: int = 1) -> dict:
-    """The `formats.derived` map of `config` over `tp` ranks (times `dp` replicas where expert parallelism
-    spans them: rank dp_rank * tp + tp_rank), every rank traced in this process."""
+def derive_map(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict, dp: int = 1,
+               pp: int = 1) -> dict:
+    """The `formats.derived` map of `config` over `tp` ranks of `pp` stages (times `dp` replicas where expert
+    parallelism spans them: rank (dp_rank * pp + pp_rank) * tp + tp_rank), every rank traced in this process."""
     _check_dp(dp, expert_parallel)
-    ranks = derive_ranks(config, tp, expert_parallel, placement, checkpoint, dp, range(dp * tp))
-    return derived.encode(config, tp, expert_parallel, placement, compat.version(), ranks, dp)
+    ranks = derive_ranks(config, tp, expert_parallel, placement, checkpoint, dp, range(dp * pp * tp), pp)
+    return derived.encode(config, tp, expert_parallel, placement, compat.version(), ranks, dp, pp)
 
 
 def jobs(ranks: int) -> int:
@@ -83,22 +85,23 @@ def jobs(ranks: int) -> int:
 
 
 def provide(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict,
-            dp: int = 1) -> dict | None:
+            dp: int = 1, pp: int = 1) -> dict | None:
     """`derive_map` in child processes (module doc; `jobs` of them, each tracing every jobs-th rank); a failure
     there is one ConfigError with its last line. None where vLLM is not installed."""
     if derived.engine_version() is None:
         return None
     _check_dp(dp, expert_parallel)
-    what = f"vLLM's storage of {config.get('model_type')!r} at {derived.grid_name(tp, dp)}"
+    what = f"vLLM's storage of {config.get('model_type')!r} at {derived.grid_name(tp, dp, pp)}"
     limit = float(os.environ.get("RESHARD_DERIVE_TIMEOUT", "600"))
-    n = jobs(dp * tp)
+    total = dp * pp * tp
+    n = jobs(total)
     with tempfile.TemporaryDirectory(prefix="reshard-derive-") as tmp:
         children = []
         for j in range(n):
             out = Path(tmp, f"ranks{j}.json")
             request = json.dumps({"config": config, "tp": tp, "expert_parallel": expert_parallel, "dp": dp,
-                                  "placement": placement, "checkpoint": checkpoint, "out": str(out),
-                                  "ranks": list(range(j, dp * tp, n))})
+                                  "pp": pp, "placement": placement, "checkpoint": checkpoint, "out": str(out),
+                                  "ranks": list(range(j, total, n))})
             Path(tmp, f"request{j}.json").write_text(request)
             with open(Path(tmp, f"request{j}.json")) as stdin, open(Path(tmp, f"log{j}"), "w") as log:
                 children.append((out, subprocess.Popen([sys.executable, "-m", "reshard_cli.engines.vllm.maps"],
@@ -110,11 +113,11 @@ def provide(config: dict, tp: int, expert_parallel: bool, placement: str, checkp
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        ranks: list = [None] * (dp * tp)
+        ranks: list = [None] * total
         for j, part in enumerate(results):
-            for r, entry in zip(range(j, dp * tp, n), part["ranks"]):
+            for r, entry in zip(range(j, total, n), part["ranks"]):
                 ranks[r] = entry
-        m = derived.encode(config, tp, expert_parallel, placement, results[0]["vllm"], ranks, dp)
+        m = derived.encode(config, tp, expert_parallel, placement, results[0]["vllm"], ranks, dp, pp)
         m["seconds"] = max(part["seconds"] for part in results)
         return m
 
@@ -127,7 +130,7 @@ def _collect(proc, out: Path, what: str, deadline: float, limit: float) -> dict:
         raise ConfigError(f"deriving {what} took longer than {limit:g} s (RESHARD_DERIVE_TIMEOUT)",
                           key="model") from None
     if proc.returncode or not out.exists():
-        text = out.with_name(out.name.replace("ranks", "log")).read_text(errors="replace")
+        text = out.with_name(out.stem.replace("ranks", "log")).read_text(errors="replace")
         lines = [ln for ln in text.strip().splitlines() if ln.startswith("reshard:")]
         why = lines[-1].removeprefix("reshard: ") if lines else f"exit {proc.returncode}"
         raise ConfigError(f"deriving {what} failed: {why}", key="model")
@@ -139,7 +142,7 @@ def _main() -> int:
     t0 = time.perf_counter()
     try:
         ranks = derive_ranks(req["config"], req["tp"], req["expert_parallel"], req["placement"], req["checkpoint"],
-                             req.get("dp", 1), req["ranks"])
+                             req.get("dp", 1), req["ranks"], req.get("pp", 1))
     except ConfigError as e:
         print(f"reshard: {e}", file=sys.stderr)
         return 2

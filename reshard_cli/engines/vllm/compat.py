@@ -441,6 +441,8 @@ def expert_maps_on_cpu():
     """vLLM's `ExpertMapManager` built on the CPU while open, whatever the default device: under expert
     parallelism it reads its own expert map back (`torch.where`, `.item()`), which a model built on the meta
     device cannot; the maps are a few ints per layer, and the loaders index with them as on a real rank."""
+    from unittest import mock
+
     import torch
     from vllm.model_executor.layers.fused_moe import expert_map_manager as emm
 
@@ -450,10 +452,7 @@ def expert_maps_on_cpu():
     def on_cpu(self, *args, **kwargs):
         with torch.device("cpu"):
             init(self, *args, **kwargs)
-    with contextlib.ExitStack() as stack:
-        from unittest import mock
-
-        stack.enter_context(mock.patch.object(emm.ExpertMapManager, "__init__", on_cpu))
+    with mock.patch.object(emm.ExpertMapManager, "__init__", on_cpu):
         yield
 
 
@@ -464,8 +463,7 @@ def build_model(model_dir: str, *, tp_size: int, expert_parallel: bool, expert_p
     dtype `dtype`: (model, vllm_config). `dp_size` > 1: a rank of data-parallel replica `dp_rank`, which vLLM's
     config says too (with expert parallelism and TP > 1 it then runs sequence-parallel MoE, which keeps
     shared experts whole on every rank); `pp_size`: vLLM's pipeline stages (the stand-in PP group says which
-    this rank is). Each call builds a config of its own (a model registers its layers
-    in it)."""
+    this rank is). Each call builds a config of its own (a model registers its layers in it)."""
     import torch
     from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model

@@ -530,3 +530,39 @@ def test_later_refits_over_the_default_group_reuse_their_store_connections(tmp_p
         assert oks == [True] * 3, (rank, oks)
         assert made == 2, (rank, made)  # the first Refit's two, then none
         assert len(idle[0]) == 2 and idle[0] == idle[1] == idle[2], (rank, idle)
+
+
+_LEAVES_IN_TORCH = """
+import sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from reshard_cli.transfer import watchdog
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
+def blocked():
+    try:
+        client.wait(["never"])
+    except Exception:
+        pass
+thread = threading.Thread(target=blocked, daemon=True)
+thread.start()
+if sys.argv[1] == "held":
+    watchdog.in_torch(thread)
+time.sleep(0.5)
+"""
+
+
+def test_a_thread_left_inside_a_torch_call_is_waited_for_at_exit():
+    """A daemon thread whose store call returns after the interpreter began to tear down aborts the process in
+    C++ ("terminate called without an active exception", what two CI runs saw at a fleet's and a Megatron
+    rank's exit); the same thread handed to `watchdog.in_torch` is waited for, and the process exits 0."""
+    import subprocess
+    import sys
+
+    def run(mode):
+        return subprocess.run([sys.executable, "-c", _LEAVES_IN_TORCH, mode], capture_output=True, text=True,
+                              timeout=120)
+    left = run("left")
+    assert left.returncode != 0 and "terminate called without an active exception" in left.stderr
+    held = run("held")
+    assert held.returncode == 0, held.stderr[-2000:]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import RuntimeFailure
-from reshard_cli.transfer.watchdog import Guard, Watchdog, stale, stop_all
+from reshard_cli.transfer.watchdog import IN_TORCH, Guard, Watchdog, in_torch, stale, stop_all
 
 _RELEASING: set = set()  # threads dropping a broken group's process groups (`release_aside`)
 
@@ -35,14 +35,17 @@ def release_aside(pgs: list) -> None:
     whose collective is still blocked on a stopped peer (SIGSTOP: its connections stay open) waits for that
     collective's timeout, and the caller must not (the fleet's survivors resume in a new group meanwhile).
     Rank 0's store, which the group holds, is freed when the thread ends; a new group on its port waits for it
-    (`connect_store`). A process that exits meanwhile leaves the thread, and the group, as they are."""
+    (`connect_store`). A process that exits meanwhile waits for the thread (`watchdog.stop_all`, at most
+    `watchdog.EXIT_GRACE` seconds): one that returns into a torn-down interpreter aborts it."""
     def release(held: list) -> None:
         held.clear()  # the destructors run here
         _RELEASING.discard(threading.current_thread())
+        IN_TORCH.discard(threading.current_thread())
 
     thread = threading.Thread(target=release, args=(list(pgs),), daemon=True, name="reshard-release")
     pgs.clear()
     _RELEASING.add(thread)
+    in_torch(thread)  # waited for at exit (`watchdog.stop_all`)
     thread.start()
 
 

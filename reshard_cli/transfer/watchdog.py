@@ -51,15 +51,29 @@ DEATH_WINDOW = 3.0  # after a transport error: how long a peer's silent heartbea
 
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()  # watchdogs and guards whose threads run: stopped at exit
+IN_TORCH: set = set()  # daemon threads left inside a torch call (a wait blocked on a stopped peer, a broken
+# group's process groups being destroyed): waited for at exit, `EXIT_GRACE` seconds at most
+EXIT_GRACE = 30.0
+
+
+def in_torch(thread: threading.Thread) -> None:
+    """`thread` is left inside a torch call: the process waits for it at exit (`stop_all`)."""
+    IN_TORCH.difference_update([t for t in IN_TORCH if not t.is_alive()])
+    IN_TORCH.add(thread)
 
 
 @atexit.register
 def stop_all() -> None:
-    """Before the interpreter tears down: stop every heartbeat and idle helper thread and wait for them. A
-    process that leaves while one of them is inside a store call can abort in C++ ("terminate called without
-    an active exception"), for example a script that never closes its refit group."""
+    """Before the interpreter tears down: stop every heartbeat and idle helper thread and wait for them, and
+    for the threads left inside a torch call (`IN_TORCH`). A daemon thread whose torch call returns after the
+    teardown has begun aborts the process in C++ ("terminate called without an active exception": CPython
+    ends the thread as it asks for the GIL back, and the unwinding meets a noexcept frame), for example a
+    script that never closes its refit group, or a fleet that dropped a stopped member just before it ends."""
     for item in list(_LIVE):
         item.close()
+    deadline = time.monotonic() + EXIT_GRACE
+    for thread in list(IN_TORCH):
+        thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
 class GroupBroken(RuntimeFailure):
@@ -390,6 +404,8 @@ class Guard:
             self._calls.put(None)  # an idle helper stops now, a blocked one once its call returns
             self._helper_thread.join(timeout=1 if self.broken is not None else 5)  # one left blocked cannot
             stuck = self._helper_thread.is_alive()  # be ended: it is a daemon
+            if stuck:
+                in_torch(self._helper_thread)
         self._calls = self._helper_thread = None
         if not polling:  # nothing of this group polls the store any more
             self.watchdog.give_back()

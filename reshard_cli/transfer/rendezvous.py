@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from reshard_cli.errors import RuntimeFailure
-from reshard_cli.transfer.watchdog import IN_TORCH, Guard, Watchdog, in_torch, stale, stop_all
+from reshard_cli.transfer.watchdog import Guard, Watchdog, in_torch, stale, stop_all
 
 _RELEASING: set = set()  # threads dropping a broken group's process groups (`release_aside`)
 
@@ -40,7 +40,6 @@ def release_aside(pgs: list) -> None:
     def release(held: list) -> None:
         held.clear()  # the destructors run here
         _RELEASING.discard(threading.current_thread())
-        IN_TORCH.discard(threading.current_thread())
 
     thread = threading.Thread(target=release, args=(list(pgs),), daemon=True, name="reshard-release")
     pgs.clear()

@@ -86,12 +86,39 @@ def test_expert_parallel_round_robin_needs_grouped_routing(tmp_path):
     ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {kind: sglang}\n", "engine.kind", "vllm engine"),
     ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {url: 'localhost:8000'}\n", "engine.url",
      "http(s) URL"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {all2all_backend: deepep}\n",
+     "engine.all2all_backend", "unknown all2all backend 'deepep' (vLLM's: allgather_reducescatter, deepep_high"),
 ])
 def test_bad_vllm_layouts_are_one_line(tmp_path, body, key, text):
     with pytest.raises(ConfigError) as info:
         layout(tmp_path, body)
     msg = str(info.value)
     assert f": {key}: " in msg and text in msg and "\n" not in msg, msg
+
+
+def test_the_all2all_backend_decides_where_shared_experts_are_whole(tmp_path):
+    """DeepSeek-V3's shared experts with experts over dp 2 x tp 4: whole on every rank where vLLM runs MoE
+    sequence-parallel (its default backend, at any number of stages), TP-sharded under moonep; and a live
+    engine whose backend disagrees with the layout's is named before anything moves."""
+    from types import SimpleNamespace
+
+    from reshard_cli.engines.vllm.worker import check_deployment
+
+    name = "model.layers.3.mlp.shared_experts.up_proj.weight"
+    placed = {}
+    for key, mesh, engine in [("default", "{dp: 2, tp: 4}", ""), ("pp", "{dp: 2, pp: 2, tp: 4}", ""),
+                              ("moonep", "{dp: 2, tp: 4}", ", all2all_backend: moonep")]:
+        lay = layout(tmp_path, f"model: deepseek-v3\nformat: vllm\nmesh: {mesh}\n"
+                               f"engine: {{expert_parallel: true{engine}}}\n", f"{key}.yaml")
+        placed[key] = lay.placements[lay.manifest.index(name)].describe()
+    assert placed == {"default": "default[replicate]", "pp": "default[pp=0]", "moonep": "default[tp:S(0)]"}
+    pc = SimpleNamespace(tensor_parallel_size=4, pipeline_parallel_size=1, enable_expert_parallel=True,
+                         all2all_backend="moonep")
+    check_deployment(lay, pc, worker=0)
+    with pytest.raises(ConfigError, match=r"^dst: the engine runs MoE all2all backend 'deepep_low_latency' "
+                                          r"\(sequence-parallel\), the layout 'moonep' \(not sequence-parallel\): "
+                                          r"set `engine.all2all_backend: deepep_low_latency` in it$"):
+        check_deployment(lay, SimpleNamespace(**{**vars(pc), "all2all_backend": "deepep_low_latency"}), worker=0)
 
 
 def test_vllm_format_needs_a_config(tmp_path):

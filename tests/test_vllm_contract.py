@@ -96,7 +96,8 @@ SYMBOLS: list[tuple[str, str, tuple | None]] = [
     *[("vllm.distributed.parallel_state", group, None) for group in ("_TP", "_WORLD", "_EP", "_PP", "_DP", "_PCP",
                                                                      "_DCP")],
     ("vllm.config", "ParallelConfig", ((), ("tensor_parallel_size", "enable_expert_parallel",
-                                            "expert_placement_strategy"))),
+                                            "expert_placement_strategy", "all2all_backend"))),
+    ("vllm.config", "ParallelConfig.use_sequence_parallel_moe", None),  # (compat.moe_flags_of)
     ("vllm.config", "ModelConfig", ((), ("model", "skip_tokenizer_init", "dtype", "enforce_eager"))),
     ("vllm.config", "VllmConfig", ((), ("model_config", "parallel_config", "device_config"))),
     ("vllm.config", "DeviceConfig", ((X,), ())),
@@ -105,6 +106,8 @@ SYMBOLS: list[tuple[str, str, tuple | None]] = [
     ("vllm.utils.torch_utils", "set_default_torch_dtype", ((X,), ())),
     # (compat.expert_maps_on_cpu: the expert maps built on the CPU while the model is built on the meta device)
     ("vllm.model_executor.layers.fused_moe.expert_map_manager", "ExpertMapManager", None),
+    # (compat.forget_stale_pp_layers: vLLM's memo of a model's missing pipeline layers, keyed by id(model))
+    ("vllm.model_executor.models.utils", "_model_to_pp_missing_layer_names", None),
 ]
 
 
@@ -318,3 +321,23 @@ def test_init_infos_validate_themselves():
         with pytest.raises(ValueError, match=rf"^reshard: {key}: "):
             ReshardInitInfo(host="h", port=1, world_size=2, dst="x", **{key: value})
     assert ReshardTrainerInitInfo(rank=0, transport="shm", stage_mb=0, stall=2.5).transport == "shm"
+
+
+def test_the_all2all_backends_and_which_run_moe_sequence_parallel():
+    """`formats.vllm.ALL2ALL` is vLLM's list of MoE all2all backends, each with what vLLM's own
+    `ParallelConfig.use_sequence_parallel_moe` says under it (experts over dp 2 x tp 2): that decides whether a
+    rank keeps shared experts whole."""
+    import typing
+
+    from vllm.config import ParallelConfig
+    from vllm.config.parallel import All2AllBackend
+
+    from reshard_cli.formats.vllm import ALL2ALL
+
+    assert set(ALL2ALL) == set(typing.get_args(All2AllBackend))
+    for backend, sp in ALL2ALL.items():
+        pc = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,
+                            all2all_backend=backend)
+        assert pc.use_sequence_parallel_moe is sp, backend
+        assert not ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True,
+                                  all2all_backend=backend).use_sequence_parallel_moe, backend

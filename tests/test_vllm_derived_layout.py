@@ -65,15 +65,20 @@ def test_derived_storage_is_vllms_load(cache, tmp_path, family, tp, engine):
         assert storage_against_load(layout, rank, seed=rank) == [], (family, tp, rank)
 
 
-@pytest.mark.parametrize("family,tp,dp", [("qwen3_next", 2, 2), ("gpt_oss", 1, 2)])
-def test_experts_over_the_replicas_are_vllms_load(cache, tmp_path, family, tp, dp):
+@pytest.mark.parametrize("family,tp,dp,backend", [("qwen3_next", 2, 2, None), ("gpt_oss", 1, 2, None),
+                                                 ("qwen3_next", 2, 2, "moonep")])
+def test_experts_over_the_replicas_are_vllms_load(cache, tmp_path, family, tp, dp, backend):
     """Expert parallelism over dp x tp (`--data-parallel-size` with `--enable-expert-parallel`): every rank
     traced with its replica's place in vLLM's EP group, and every rank's storage judged by vLLM's own load.
-    Qwen3-Next's experts are whole tensors with one owner each; gpt-oss stacks a layer's experts in one tensor,
-    which the map shows sharded over dp, then tp."""
+    Qwen3-Next's experts are whole tensors with one owner each, its shared expert whole on every rank where
+    vLLM runs MoE sequence-parallel (its default all2all backend), TP-sharded under `moonep` (that map derived
+    through the entry point, in child processes); gpt-oss stacks a layer's experts in one tensor, which the map
+    shows sharded over dp, then tp."""
     from test_vllm_derive import GPT_OSS
 
-    layout = _layout(tmp_path, {"qwen3_next": QWEN3_NEXT, "gpt_oss": GPT_OSS}[family], tp, engine=EP, dp=dp)
+    engine = EP if backend is None else f"engine: {{expert_parallel: true, all2all_backend: {backend}}}\n"
+    layout = _layout(tmp_path, {"qwen3_next": QWEN3_NEXT, "gpt_oss": GPT_OSS}[family], tp, engine=engine, dp=dp,
+                     derive=backend is None)
     assert layout.experts == ("dp", "tp")  # (a dp x tp mesh, tp 1 included)
     assert len(derived.map_of(layout)["ranks"]) == dp * tp
     for rank in layout.ranks:
@@ -87,7 +92,7 @@ def test_experts_over_the_replicas_are_vllms_load(cache, tmp_path, family, tp, d
                   if specs[t].name == "model.layers.0.mlp.experts.3.up_proj.weight"]
         assert owners == [3]  # 4 experts over 4 EP ranks, vLLM's linear placement
         shared = layout.placements[layout.manifest.index("model.layers.0.mlp.shared_expert.up_proj.weight")]
-        assert shared.describe() == "default[replicate]"  # sequence-parallel MoE: whole on every rank
+        assert shared.describe() == ("default[tp:S(0)]" if backend else "default[replicate]")
 
 
 @pytest.mark.parametrize("family", ["nemotron_h-groups2", "qwen3_next-tied"])
@@ -111,16 +116,25 @@ def test_pipeline_stages_are_vllms_load(cache, tmp_path, family):
         assert place["backbone.embeddings.weight"] == place["lm_head.weight"] == "default[pp=(0, 1), tp:S(0)]"
 
 
-@pytest.mark.parametrize("family,dp", [("qwen3", 1), ("deepseek_v3", 1), ("qwen3_moe", 2), ("deepseek_v3", 2)])
-def test_hand_rules_judged_the_same_way(tmp_path, family, dp):
+@pytest.mark.parametrize("family,dp,pp,backend", [("qwen3", 1, 1, None), ("deepseek_v3", 1, 1, None),
+                                                 ("qwen3_moe", 2, 1, None), ("deepseek_v3", 2, 2, None),
+                                                 ("deepseek_v3", 2, 1, "moonep")])
+def test_hand_rules_judged_the_same_way(tmp_path, family, dp, pp, backend):
     """The seven hand-ruled families go through the same judge: their storage is vLLM's load too (Qwen3-MoE
     and DeepSeek-V3 with their experts over dp 2 x tp 2, where vLLM runs the MoE layers sequence-parallel and
-    keeps DeepSeek's shared experts whole on every rank)."""
+    keeps DeepSeek's shared experts whole on every rank, over pipeline stages too; under an all2all backend that
+    does not run them sequence-parallel, `engine.all2all_backend: moonep`, TP-sharded)."""
     from test_vllm_derive import FAMILIES as HAND
 
-    layout = _layout(tmp_path, HAND[family], 2, derive=False, engine=EP if dp > 1 else "", dp=dp)
+    engine = ("engine: {expert_parallel: true" + (f", all2all_backend: {backend}" if backend else "") + "}\n"
+              if dp > 1 else "")
+    layout = _layout(tmp_path, HAND[family], 2, derive=False, engine=engine, dp=dp, pp=pp)
     assert not get("vllm").summary(layout, 0)["derived"]
     assert all(storage_against_load(layout, r) == [] for r in layout.ranks)
+    if family == "deepseek_v3" and dp > 1:
+        shared = layout.placements[layout.manifest.index("model.layers.1.mlp.shared_experts.up_proj.weight")]
+        whole = "default[pp=1]" if pp > 1 else "default[replicate]"  # (layer 1 is on the second stage)
+        assert shared.describe() == ("default[tp:S(0)]" if backend else whole)
 
 
 def test_judging_a_derived_map_can_fail(cache, tmp_path):

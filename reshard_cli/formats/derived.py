@@ -44,8 +44,10 @@ from reshard_cli.layouts.models import ARCHITECTURES
 
 SCHEMA = 1
 DERIVERS = "reshard.storage_derivers"  # entry point group: name -> callable(config, tp, expert_parallel,
-# placement, checkpoint[, dp=N: only where expert parallelism spans N > 1 replicas][, pp=N: N > 1 stages]) -> a
-# map (`encode`d), for an engine that can learn its storage from its own loaders
+# placement, checkpoint[, dp=N: only where expert parallelism spans N > 1 replicas][, pp=N: N > 1 stages]
+# [, all2all=NAME: the MoE all2all backend, where it is not ALL2ALL_DEFAULT]) -> a map (`encode`d), for an engine
+# that can learn its storage from its own loaders
+ALL2ALL_DEFAULT = "allgather_reducescatter"  # vLLM's default `--all2all-backend`
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (formats.vllm's)
 
 
@@ -106,10 +108,18 @@ def engine_version() -> str | None:
 
 
 def map_key(config: dict, tp: int, expert_parallel: bool, placement: str, tensors: tuple, dp: int = 1,
-            pp: int = 1) -> str:
+            pp: int = 1, all2all: str = ALL2ALL_DEFAULT) -> str:
     grid = (f"dp{dp}-" if dp > 1 else "") + (f"pp{pp}-" if pp > 1 else "") + f"tp{tp}"
-    return f"{config.get('model_type')}-{grid}{'-ep-' + placement if expert_parallel else ''}-{_digest(config)}-" \
-           f"{_checkpoint_digest(tensors)}"
+    a2a = f"-{all2all}" if all2all != ALL2ALL_DEFAULT else ""
+    return f"{config.get('model_type')}-{grid}{'-ep-' + placement if expert_parallel else ''}{a2a}-" \
+           f"{_digest(config)}-{_checkpoint_digest(tensors)}"
+
+
+def all2all_of(backend: str | None, dp: int) -> str:
+    """The MoE all2all backend a map of `dp` replicas is derived under: the engine's (`engine.all2all_backend`)
+    where experts span dp > 1 replicas (vLLM's MoE layers may then run sequence-parallel, which changes what a
+    rank keeps), else the default (no other map depends on it)."""
+    return (backend or ALL2ALL_DEFAULT) if dp > 1 else ALL2ALL_DEFAULT
 
 
 def grid_name(tp: int, dp: int = 1, pp: int = 1) -> str:
@@ -126,7 +136,7 @@ def coord(r: int, tp: int, pp: int = 1) -> tuple[int, int, int]:
 def save_map(m: dict, tensors: tuple) -> Path:
     """Write a map (`encode`d) to the cache, atomically; returns its path."""
     key = map_key(m["config"], m["tp"], m["expert_parallel"], m["expert_placement"], tensors, m.get("dp", 1),
-                  m.get("pp", 1))
+                  m.get("pp", 1), m.get("all2all", ALL2ALL_DEFAULT))
     return cache_write(CACHE_KIND, key, "vllm", m["vllm"], m)
 
 
@@ -137,25 +147,29 @@ def _load_cached(key: str) -> dict | None:
     return m if m is not None and m.get("schema") == SCHEMA else None
 
 
-_MEMO: dict = {}  # (model_type, config digest, tp, ep, placement) -> map: a layout's groups share its map
+_MEMO: dict = {}  # (model_type, config digest, tp, ep, placement, dp, pp, all2all) -> map: a layout's groups
+# share its map
 
 
-def _memo_key(config: dict, tp: int, expert_parallel: bool, placement: str, dp: int = 1, pp: int = 1) -> tuple:
-    return config.get("model_type"), _digest(config), tp, expert_parallel, placement, dp, pp
+def _memo_key(config: dict, tp: int, expert_parallel: bool, placement: str, dp: int = 1, pp: int = 1,
+              all2all: str = ALL2ALL_DEFAULT) -> tuple:
+    return config.get("model_type"), _digest(config), tp, expert_parallel, placement, dp, pp, all2all
 
 
 def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manifest, file: str,
-             dp: int = 1, pp: int = 1) -> dict:
+             dp: int = 1, pp: int = 1, all2all: str = ALL2ALL_DEFAULT) -> dict:
     """The storage map of `config` at TP `tp` over `pp` stages (`dp` > 1: expert parallelism over the
-    replicas too; module doc): cached, derived by a registered deriver, or a ConfigError naming what to do."""
-    key = map_key(config, tp, expert_parallel, placement, manifest.tensors, dp, pp)
+    replicas too, under MoE all2all backend `all2all`; module doc): cached, derived by a registered deriver,
+    or a ConfigError naming what to do."""
+    key = map_key(config, tp, expert_parallel, placement, manifest.tensors, dp, pp, all2all)
     m = _load_cached(key)
     if m is None:
         checkpoint = {t.name: list(t.shape) for t in manifest.tensors}
         for ep in metadata.entry_points(group=DERIVERS):
             try:
                 m = ep.load()(config, tp, expert_parallel, placement, checkpoint,
-                              **({"dp": dp} if dp > 1 else {}), **({"pp": pp} if pp > 1 else {}))
+                              **({"dp": dp} if dp > 1 else {}), **({"pp": pp} if pp > 1 else {}),
+                              **({"all2all": all2all} if all2all != ALL2ALL_DEFAULT else {}))
             except ConfigError as e:  # named by this layout's file
                 raise ConfigError(str(e).removeprefix(f"{e.key}: " if e.key and not e.file else ""), file=file,
                                   key="model") from None
@@ -171,7 +185,7 @@ def maps_for(config: dict, tp: int, expert_parallel: bool, placement: str, manif
     if unplaced:
         raise ConfigError(f"vLLM's loader places {unplaced[0]!r} on no rank ({len(unplaced)} such tensors): "
                           f"the checkpoint does not match what vLLM builds for this config", file=file, key="model")
-    _MEMO[_memo_key(config, tp, expert_parallel, placement, dp, pp)] = m
+    _MEMO[_memo_key(config, tp, expert_parallel, placement, dp, pp, all2all)] = m
     return m
 
 
@@ -187,13 +201,13 @@ def decode_region(region: list) -> tuple:
 
 
 def encode(config: dict, tp: int, expert_parallel: bool, placement: str, version: str, ranks: list,
-           dp: int = 1, pp: int = 1) -> dict:
+           dp: int = 1, pp: int = 1, all2all: str = ALL2ALL_DEFAULT) -> dict:
     """A map: `ranks[r]` = {"params": [[name, shape, dtype, [[source, offsets, sizes, region, transform]]]],
     "unplaced": [checkpoint names this rank loads nothing of]}, regions `encode_region`d; r = (dp_rank * pp +
     pp_rank) * tp + tp_rank (`dp` > 1 only where expert parallelism spans the replicas)."""
     return {"schema": SCHEMA, "vllm": version, "config": config, "tp": tp, "expert_parallel": expert_parallel,
             "expert_placement": placement, "ranks": ranks, **({"dp": dp} if dp > 1 else {}),
-            **({"pp": pp} if pp > 1 else {})}
+            **({"pp": pp} if pp > 1 else {}), **({"all2all": all2all} if all2all != ALL2ALL_DEFAULT else {})}
 
 
 # ------------------------------------------------------------------------------------------- placements
@@ -374,7 +388,8 @@ def map_rank(layout, rank: int) -> int:
 def map_of(layout) -> dict:
     tp, dp, pp = sizes(layout)
     placement = "round_robin" if layout.expert_order == "round_robin" else "linear"
-    m = _MEMO.get(_memo_key(layout.manifest.config or {}, tp, bool(layout.experts), placement, dp, pp))
+    a2a = all2all_of(layout.engine.get("all2all_backend"), dp)
+    m = _MEMO.get(_memo_key(layout.manifest.config or {}, tp, bool(layout.experts), placement, dp, pp, a2a))
     if m is None:
         raise ConfigError(f"no storage map is loaded for {layout.manifest.name} at {grid_name(tp, dp, pp)}: load "
                           f"the layout through formats.load_layout", file=layout.file)

@@ -42,7 +42,14 @@ from reshard_cli.layouts.quant import quantization_of
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 EXPERT_STACK = "routed_experts"  # vLLM 0.32's FusedMoE keeps the stacked experts under mlp.experts.routed_experts
-ENGINE_KEYS = ("expert_parallel", "expert_placement", "kind", "quantization", "stage_mb", "url")
+ENGINE_KEYS = ("all2all_backend", "expert_parallel", "expert_placement", "kind", "quantization", "stage_mb", "url")
+# vLLM 0.32's MoE all2all backends (`--all2all-backend`; `naive` and `pplx` fall back to the default there), each
+# with whether vLLM runs MoE layers sequence-parallel under it (`ParallelConfig.use_sequence_parallel_moe`, with
+# expert parallelism over dp > 1 replicas of tp > 1): tests/test_vllm_contract.py holds this to vLLM's own
+ALL2ALL = {"allgather_reducescatter": True, "deepep_high_throughput": True, "deepep_low_latency": True,
+           "deepep_v2": True, "flashinfer_nvlink_one_sided": True, "mori_high_throughput": True,
+           "mori_low_latency": True, "nixl_ep": True, "passthrough": True, "naive": True, "pplx": True,
+           "moonep": False, "flashinfer_nvlink_two_sided": False, "flashinfer_all2allv": False}
 DIMS = ("dp", "pp", "tp")
 
 # checkpoint-name patterns (HF naming, as the manifests list them)
@@ -72,6 +79,7 @@ def expand(doc: dict, manifest, file: str) -> dict:
     if ep and not ({"dp", "tp"} & set(dims)):
         raise ConfigError("expert parallelism spreads experts over the dp x tp ranks; this mesh has neither",
                           file=file, key="engine.expert_parallel", line=_line(engine, "expert_parallel"))
+    backend = all2all_backend(engine, file)
     order = engine.get("expert_placement", "linear")
     if order not in ("linear", "round_robin"):
         raise ConfigError(f"expected linear or round_robin, got {order!r}", file=file,
@@ -81,7 +89,7 @@ def expand(doc: dict, manifest, file: str) -> dict:
         raise ConfigError(f"`format: vllm` needs the model's HF config (heads, vocab); {manifest.name!r} has "
                           f"none: name a bundled model or a config.json", file=file, key="model")
     if config.get("model_type") not in ARCHITECTURES:
-        return _expand_derived(doc, manifest, file, dims, ep, order, config)
+        return _expand_derived(doc, manifest, file, dims, ep, order, config, backend)
     quantization_of(engine.get("quantization"), config, file=file, key="engine.quantization",
                     line=_line(engine, "quantization"))  # checked against the model here; kept by `engine_block`
     tp = int(mesh.get("tp", 1))
@@ -95,7 +103,7 @@ def expand(doc: dict, manifest, file: str) -> dict:
     rules: list[dict] = []
     if ep and any(re.search(_EXPERT, t.name) for t in manifest.tensors):
         rules.append({"match": _EXPERT, "mesh": "default"})  # whole experts, one owner each
-    if sequence_parallel_moe(mesh, ep):
+    if sequence_parallel_moe(mesh, ep, backend):
         rules.append({"match": _SHARED, "mesh": "default"})  # whole on every rank, as vLLM keeps them there
     if not mla and kv and tp > 1:
         rules.append(_kv_rule(doc, meshes, tp, kv, file))
@@ -120,14 +128,25 @@ def expand(doc: dict, manifest, file: str) -> dict:
     return out
 
 
-def sequence_parallel_moe(mesh: dict, ep: bool) -> bool:
-    """Whether vLLM runs these MoE layers sequence-parallel (`ParallelConfig.use_sequence_parallel_moe` with its
-    default all2all backend, allgather_reducescatter, and the DeepSeek family's own condition of one pipeline
-    stage): expert parallelism over dp > 1 replicas of tp > 1. Each rank then holds the shared experts whole."""
-    return ep and int(mesh.get("dp", 1)) > 1 and int(mesh.get("tp", 1)) > 1 and int(mesh.get("pp", 1)) == 1
+def sequence_parallel_moe(mesh: dict, ep: bool, backend: str = derived.ALL2ALL_DEFAULT) -> bool:
+    """Whether vLLM runs MoE layers sequence-parallel (`ParallelConfig.use_sequence_parallel_moe`): expert
+    parallelism over dp > 1 replicas of tp > 1 under an all2all backend that does (`ALL2ALL`), at any number of
+    pipeline stages (DeepSeek's MoE block reads the flag as it is). Each rank then holds shared experts whole."""
+    return ep and ALL2ALL[backend] and int(mesh.get("dp", 1)) > 1 and int(mesh.get("tp", 1)) > 1
 
 
-def _expand_derived(doc: dict, manifest, file: str, dims: list, ep: bool, order: str, config: dict) -> dict:
+def all2all_backend(engine: dict, file: str) -> str:
+    """`engine.all2all_backend` (vLLM's `--all2all-backend`), checked against vLLM's names; the default where
+    it is not given."""
+    backend = engine.get("all2all_backend", derived.ALL2ALL_DEFAULT)
+    if backend not in ALL2ALL:
+        raise ConfigError(f"unknown all2all backend {backend!r} (vLLM's: {', '.join(sorted(ALL2ALL))})", file=file,
+                          key="engine.all2all_backend", line=_line(engine, "all2all_backend"))
+    return backend
+
+
+def _expand_derived(doc: dict, manifest, file: str, dims: list, ep: bool, order: str, config: dict,
+                    backend: str) -> dict:
     """A family without hand rules: its placements inferred from vLLM's storage map (`formats.derived`)."""
     mesh, engine = doc["mesh"], doc.get("engine") or {}
     family = config.get("model_type")
@@ -136,8 +155,9 @@ def _expand_derived(doc: dict, manifest, file: str, dims: list, ep: bool, order:
         raise ConfigError(f"an FP8 engine of a family without hand rules ({family!r}) is not supported yet",
                           file=file, key="engine.quantization", line=_line(engine, "quantization"))
     placement = "round_robin" if effective_placement(order, config) == "round_robin" else "linear"
-    m = derived.maps_for(config, int(mesh.get("tp", 1)), ep, placement, manifest, file,
-                         int(mesh.get("dp", 1)) if ep else 1, pp)
+    dp = int(mesh.get("dp", 1)) if ep else 1
+    m = derived.maps_for(config, int(mesh.get("tp", 1)), ep, placement, manifest, file, dp, pp,
+                         derived.all2all_of(backend, dp))
     expert = [{"match": _EXPERT, "mesh": "default"}] if ep and any(re.search(_EXPERT, t.name) for t in manifest.tensors) else []
     try:
         layers = derived.pipeline_layers(m, manifest) if pp > 1 else None
@@ -178,7 +198,8 @@ def engine_block(doc: dict, file: str) -> dict:
     whether it serves the model in FP8 (`layouts.quant`)."""
     engine = doc.get("engine") or {}
     stage = checked_stage_mb(engine.get("stage_mb"), "engine.stage_mb", file, _line(engine, "stage_mb"))
-    return {"urls": _engine_urls(engine, file), "stage_mb": stage, "quantization": engine.get("quantization")}
+    return {"urls": _engine_urls(engine, file), "stage_mb": stage, "quantization": engine.get("quantization"),
+            "all2all_backend": all2all_backend(engine, file)}
 
 
 def _engine_urls(engine, file: str) -> tuple[str, ...]:

@@ -119,9 +119,9 @@ def http_client(url: str, timeout: float):
 
 
 def parallel_sizes(parallel_config) -> dict:
-    """What a worker's deployment runs: tp, pp, and whether experts are parallel."""
+    """What a worker's deployment runs: tp, pp, whether experts are parallel, and its MoE all2all backend."""
     return {"tp": parallel_config.tensor_parallel_size, "pp": parallel_config.pipeline_parallel_size,
-            "ep": bool(parallel_config.enable_expert_parallel)}
+            "ep": bool(parallel_config.enable_expert_parallel), "all2all": parallel_config.all2all_backend}
 
 
 def workers_per_replica(parallel_config) -> int:
@@ -457,27 +457,58 @@ def expert_maps_on_cpu():
 
 
 def build_model(model_dir: str, *, tp_size: int, expert_parallel: bool, expert_placement: str, dtype: str,
-                device: str, dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1):
+                device: str, dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1,
+                all2all: str = "allgather_reducescatter"):
     """vLLM's model for the HF config in `model_dir` as one TP rank builds it (no weights loaded, no engine,
     CPU device config), its parameters on torch device `device` ("meta" where construction allows), in model
     dtype `dtype`: (model, vllm_config). `dp_size` > 1: a rank of data-parallel replica `dp_rank`, which vLLM's
-    config says too (with expert parallelism and TP > 1 it then runs sequence-parallel MoE, which keeps
-    shared experts whole on every rank); `pp_size`: vLLM's pipeline stages (the stand-in PP group says which
-    this rank is). Each call builds a config of its own (a model registers its layers in it)."""
+    config says too (with expert parallelism and TP > 1 it then runs sequence-parallel MoE under most all2all
+    backends, which keeps shared experts whole on every rank); `pp_size`: vLLM's pipeline stages (the
+    stand-in PP group says which this rank is). `all2all`: the engine's all2all backend, of which the model
+    sees what its layers' storage depends on (`moe_flags_of`). Each call builds a config of its own (a model
+    registers its layers in it)."""
     import torch
     from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    pc = ParallelConfig(tensor_parallel_size=tp_size, enable_expert_parallel=expert_parallel,
-                        expert_placement_strategy=expert_placement,
-                        **({"data_parallel_size": dp_size, "data_parallel_rank": dp_rank} if dp_size > 1 else {}),
-                        **({"pipeline_parallel_size": pp_size} if pp_size > 1 else {}))
+    sizes = dict(tensor_parallel_size=tp_size, enable_expert_parallel=expert_parallel,
+                 expert_placement_strategy=expert_placement,
+                 **({"data_parallel_size": dp_size, "data_parallel_rank": dp_rank} if dp_size > 1 else {}),
+                 **({"pipeline_parallel_size": pp_size} if pp_size > 1 else {}))
+    pc = ParallelConfig(**sizes)
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
     vc = VllmConfig(model_config=mc, parallel_config=pc, device_config=DeviceConfig("cpu"))
     with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype), torch.device(device), \
-            (expert_maps_on_cpu() if device == "meta" else contextlib.nullcontext()):
-        return initialize_model(vllm_config=vc), vc
+            (expert_maps_on_cpu() if device == "meta" else contextlib.nullcontext()), \
+            moe_flags_of(ParallelConfig(**sizes, all2all_backend=all2all)):
+        model = initialize_model(vllm_config=vc)
+    forget_stale_pp_layers(model)
+    return model, vc
+
+
+def forget_stale_pp_layers(model) -> None:
+    """Drop what vLLM remembers of the pipeline stages' missing layers under this new model's `id()`: it keys
+    that memo by `id(model)`, so a model built where an earlier one (another stage) was freed would skip that
+    one's layers (a KeyError in `load_weights`) when several ranks are built in one process."""
+    from vllm.model_executor.models import utils
+
+    utils._model_to_pp_missing_layer_names.pop(id(model), None)
+
+
+@contextlib.contextmanager
+def moe_flags_of(engine_config):
+    """While open, every `ParallelConfig` says whether MoE layers run sequence-parallel as `engine_config`
+    (the engine's, with its all2all backend) does. A model's storage depends on that flag alone (shared experts
+    whole or TP-sharded), not on the backend's kernels, which a CPU build lacks for most backends (moonep,
+    flashinfer): the model is built with the default backend's kernels and the engine's flag."""
+    from unittest import mock
+
+    from vllm.config import ParallelConfig
+
+    flag = engine_config.use_sequence_parallel_moe
+    with mock.patch.object(ParallelConfig, "use_sequence_parallel_moe", property(lambda self: flag)):
+        yield
 
 
 def load_under(vllm_config, model, weights) -> None:

@@ -107,6 +107,7 @@ class Derived:
     dp_rank: int = 0
     pp_size: int = 1  # pipeline stages, and this rank's
     pp_rank: int = 0
+    all2all: str = derived_map.ALL2ALL_DEFAULT  # vLLM's MoE all2all backend (sequence-parallel MoE or not)
 
 
 def hf_checkpoint(config: dict) -> dict[str, tuple]:
@@ -134,12 +135,13 @@ class _Group:
 
 @contextlib.contextmanager
 def _vllm(config: dict, tp_size: int, tp_rank: int, expert_parallel: bool, expert_placement: str,
-          dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0):
+          dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0,
+          all2all: str = derived_map.ALL2ALL_DEFAULT):
     """vLLM's parallel groups replaced by `_Group`s (TP: this rank; DP: this replica of `dp_size`, which only
     expert parallelism spans; EP: the dp x tp ranks when `expert_parallel`, rank dp_rank * tp_size + tp_rank
     as vLLM flattens them; PP: this rank's stage of `pp_size`; the others of one) while open, for `config`
     written where vLLM reads it. Yields a function building the model in a dtype on a device
-    (`compat.build_model`)."""
+    (`compat.build_model`, under MoE all2all backend `all2all`)."""
     with tempfile.TemporaryDirectory(prefix="reshard-derive-") as tmp:
         Path(tmp, "config.json").write_text(json.dumps(config))
         ep = (dp_size * tp_size, dp_rank * tp_size + tp_rank) if expert_parallel else (1, 0)
@@ -149,7 +151,7 @@ def _vllm(config: dict, tp_size: int, tp_rank: int, expert_parallel: bool, exper
             yield lambda dtype, device: compat.build_model(tmp, tp_size=tp_size, expert_parallel=expert_parallel,
                                                            expert_placement=expert_placement, dtype=dtype,
                                                            device=device, dp_size=dp_size, dp_rank=dp_rank,
-                                                           pp_size=pp_size)
+                                                           pp_size=pp_size, all2all=all2all)
 
 
 def _tensors(model) -> dict[str, torch.Tensor]:
@@ -296,12 +298,12 @@ def _built(config: dict, build, dtype: str, device: str):
 
 def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bfloat16",
            expert_parallel: bool = False, expert_placement: str = "linear", checkpoint: dict | None = None,
-           dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0) -> Derived:
+           dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0,
+           all2all: str = derived_map.ALL2ALL_DEFAULT) -> Derived:
     """What vLLM's `load_weights` writes where on TP rank `tp_rank` of `tp_size` for an HF `config` (a
     config.json dict, small enough that the checkpoint has under 2**24 elements: a scaled-down model), from
-    `checkpoint` (name -> shape; default `hf_checkpoint(config)`). `expert_parallel`, `expert_placement`: vLLM's
-    `--enable-expert-parallel`, `--expert-placement-strategy`; `dp_size`, `dp_rank`, `pp_size`, `pp_rank`: its
-    data-parallel replicas (experts spread over them) and pipeline stages (a rank builds its layers only)."""
+    `checkpoint` (name -> shape; default `hf_checkpoint(config)`). The rest are vLLM's options: its replicas
+    (experts spread over them), stages (a rank builds its layers only), `--all2all-backend`."""
     t0 = time.perf_counter()
     spec = dict(checkpoint) if checkpoint is not None else hf_checkpoint(config)
     names, shapes = list(spec), [tuple(s) for s in spec.values()]
@@ -314,7 +316,7 @@ def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bf
     items = [(n, (torch.arange(int(sizes[k]), dtype=torch.float32) + float(starts[k] + 1)).reshape(shapes[k]))
              for k, n in enumerate(names)]
     with _vllm(config, tp_size, tp_rank, expert_parallel, expert_placement, dp_size, dp_rank, pp_size,
-               pp_rank) as build:
+               pp_rank, all2all) as build:
         try:
             typed, _ = _built(config, build, dtype, "meta")
         except NotImplementedError:  # a data-dependent op at construction: build it for real
@@ -353,7 +355,7 @@ def derive(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bf
     placed |= {s for p in params.values() for s in p.transformed if s}
     return Derived(dict(config), tp_size, tp_rank, params, tuple(done),
                    tuple(n for n in names if n not in placed), dict(zip(names, shapes)), time.perf_counter() - t0,
-                   expert_parallel, expert_placement, dp_size, dp_rank, pp_size, pp_rank)
+                   expert_parallel, expert_placement, dp_size, dp_rank, pp_size, pp_rank, all2all)
 
 
 def _probe(vc, model, items, tensors, writer, odd, params, names, shapes) -> list[tuple]:
@@ -420,7 +422,7 @@ def vllm_load(derived: Derived, checkpoint: dict) -> dict[str, torch.Tensor]:
     parameters by name (those the derivation lists)."""
     with _vllm(derived.config, derived.tp_size, derived.tp_rank, derived.expert_parallel,
                derived.expert_placement, derived.dp_size, derived.dp_rank, derived.pp_size,
-               derived.pp_rank) as build:
+               derived.pp_rank, derived.all2all) as build:
         model, vc = _built(derived.config, build, "float32", "cpu")
         tensors = _tensors(model)
         for t in tensors.values():
@@ -520,7 +522,8 @@ def storage_against_load(layout, rank: int, seed: int = 0) -> list[str]:
     placement = "round_robin" if layout.expert_order == "round_robin" else "linear"
     ours, theirs = {}, {}
     for out in (ours, theirs):
-        with _vllm(config, tp, tp_rank, bool(layout.experts), placement, dp, dp_rank, pp, pp_rank) as build:
+        with _vllm(config, tp, tp_rank, bool(layout.experts), placement, dp, dp_rank, pp, pp_rank,
+                   derived_map.all2all_of(layout.engine.get("all2all_backend"), dp)) as build:
             model, vc = _built(config, build, layout.manifest.config.get("torch_dtype") or "bfloat16", "cpu")
             tensors = {n: t for n, t in _tensors(model).items() if t.device.type != "meta"}
             for t in tensors.values():

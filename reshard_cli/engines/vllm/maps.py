@@ -28,9 +28,9 @@ JOBS_ENV = "RESHARD_DERIVE_JOBS"
 
 
 def derive_ranks(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict, dp: int,
-                 ranks, pp: int = 1) -> list[dict]:
+                 ranks, pp: int = 1, all2all: str = derived.ALL2ALL_DEFAULT) -> list[dict]:
     """The map entries (`formats.derived.encode`'s `ranks[r]`) of map ranks `ranks` (r = (dp_rank * pp +
-    pp_rank) * tp + tp_rank), each rank's load traced in this process."""
+    pp_rank) * tp + tp_rank), each rank's load traced in this process (under MoE all2all backend `all2all`)."""
     from reshard_cli.engines.vllm.derive import EXACT, derive
     from reshard_cli.engines.vllm.trace import NotOnMeta, derive_meta
 
@@ -38,7 +38,8 @@ def derive_ranks(config: dict, tp: int, expert_parallel: bool, placement: str, c
     for r in ranks:
         dp_rank, pp_rank, tp_rank = derived.coord(r, tp, pp)
         options = dict(tp_size=tp, tp_rank=tp_rank, expert_parallel=expert_parallel, expert_placement=placement,
-                       checkpoint=checkpoint, dp_size=dp, dp_rank=dp_rank, pp_size=pp, pp_rank=pp_rank)
+                       checkpoint=checkpoint, dp_size=dp, dp_rank=dp_rank, pp_size=pp, pp_rank=pp_rank,
+                       all2all=all2all)
         try:
             d = derive_meta(config, **options)
         except NotOnMeta as e:  # a real build, each element its own address, where it fits
@@ -65,12 +66,13 @@ def _check_dp(dp: int, expert_parallel: bool) -> None:
 
 
 def derive_map(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict, dp: int = 1,
-               pp: int = 1) -> dict:
+               pp: int = 1, all2all: str = derived.ALL2ALL_DEFAULT) -> dict:
     """The `formats.derived` map of `config` over `tp` ranks of `pp` stages (times `dp` replicas where expert
-    parallelism spans them: rank (dp_rank * pp + pp_rank) * tp + tp_rank), every rank traced in this process."""
+    parallelism spans them: rank (dp_rank * pp + pp_rank) * tp + tp_rank; under MoE all2all backend
+    `all2all`), every rank traced in this process."""
     _check_dp(dp, expert_parallel)
-    ranks = derive_ranks(config, tp, expert_parallel, placement, checkpoint, dp, range(dp * pp * tp), pp)
-    return derived.encode(config, tp, expert_parallel, placement, compat.version(), ranks, dp, pp)
+    ranks = derive_ranks(config, tp, expert_parallel, placement, checkpoint, dp, range(dp * pp * tp), pp, all2all)
+    return derived.encode(config, tp, expert_parallel, placement, compat.version(), ranks, dp, pp, all2all)
 
 
 def jobs(ranks: int) -> int:
@@ -85,7 +87,7 @@ def jobs(ranks: int) -> int:
 
 
 def provide(config: dict, tp: int, expert_parallel: bool, placement: str, checkpoint: dict,
-            dp: int = 1, pp: int = 1) -> dict | None:
+            dp: int = 1, pp: int = 1, all2all: str = derived.ALL2ALL_DEFAULT) -> dict | None:
     """`derive_map` in child processes (module doc; `jobs` of them, each tracing every jobs-th rank); a failure
     there is one ConfigError with its last line. None where vLLM is not installed."""
     if derived.engine_version() is None:
@@ -101,6 +103,7 @@ def provide(config: dict, tp: int, expert_parallel: bool, placement: str, checkp
             out = Path(tmp, f"ranks{j}.json")
             request = json.dumps({"config": config, "tp": tp, "expert_parallel": expert_parallel, "dp": dp,
                                   "pp": pp, "placement": placement, "checkpoint": checkpoint, "out": str(out),
+                                  "all2all": all2all,
                                   "ranks": list(range(j, total, n))})
             Path(tmp, f"request{j}.json").write_text(request)
             with open(Path(tmp, f"request{j}.json")) as stdin, open(Path(tmp, f"log{j}"), "w") as log:
@@ -117,7 +120,7 @@ def provide(config: dict, tp: int, expert_parallel: bool, placement: str, checkp
         for j, part in enumerate(results):
             for r, entry in zip(range(j, total, n), part["ranks"]):
                 ranks[r] = entry
-        m = derived.encode(config, tp, expert_parallel, placement, results[0]["vllm"], ranks, dp, pp)
+        m = derived.encode(config, tp, expert_parallel, placement, results[0]["vllm"], ranks, dp, pp, all2all)
         m["seconds"] = max(part["seconds"] for part in results)
         return m
 
@@ -142,7 +145,8 @@ def _main() -> int:
     t0 = time.perf_counter()
     try:
         ranks = derive_ranks(req["config"], req["tp"], req["expert_parallel"], req["placement"], req["checkpoint"],
-                             req.get("dp", 1), req["ranks"], req.get("pp", 1))
+                             req.get("dp", 1), req["ranks"], req.get("pp", 1),
+                             req.get("all2all", derived.ALL2ALL_DEFAULT))
     except ConfigError as e:
         print(f"reshard: {e}", file=sys.stderr)
         return 2

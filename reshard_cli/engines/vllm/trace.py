@@ -28,6 +28,7 @@ from reshard_cli.engines.vllm import compat
 from reshard_cli.engines.vllm.derive import Copy, Derived, Param, _built, _norm, _tensors, _vllm, hf_checkpoint
 from reshard_cli.errors import ConfigError
 from reshard_cli.formats import derived
+from reshard_cli.formats.derived import ALL2ALL_DEFAULT
 
 ELEMENTWISE = {"exp", "neg", "_to_copy", "clone", "alias", "detach", "contiguous", "lift_fresh"}
 KEEP = {"_to_copy", "clone", "alias", "detach", "contiguous", "lift_fresh"}  # no function of the values
@@ -559,12 +560,12 @@ def _meta_model(config: dict, build, dtype: str):
 def derive_meta(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str = "bfloat16",
                 expert_parallel: bool = False, expert_placement: str = "linear",
                 checkpoint: dict | None = None, dp_size: int = 1, dp_rank: int = 0, pp_size: int = 1,
-                pp_rank: int = 0) -> Derived:
+                pp_rank: int = 0, all2all: str = ALL2ALL_DEFAULT) -> Derived:
     """`derive.derive` of `config` at any size: the model on the meta device, its load traced (module doc)."""
     t0 = time.perf_counter()
     spec = {n: tuple(s) for n, s in (checkpoint.items() if checkpoint is not None else hf_checkpoint(config).items())}
     with _vllm(config, tp_size, tp_rank, expert_parallel, expert_placement, dp_size, dp_rank, pp_size,
-               pp_rank) as build:
+               pp_rank, all2all) as build:
         model, vc = _meta_model(config, build, dtype)
         tensors = _tensors(model)
         tracer = Tracer(tensors)
@@ -590,4 +591,4 @@ def derive_meta(config: dict, *, tp_size: int = 1, tp_rank: int = 0, dtype: str 
     placed |= {s for w in tracer.writes if isinstance(w.what, Mixed) for s in w.what.sources}
     return Derived(dict(config), tp_size, tp_rank, params, tuple(loads), tuple(n for n in spec if n not in placed),
                    spec, time.perf_counter() - t0, expert_parallel, expert_placement, dp_size, dp_rank, pp_size,
-                   pp_rank)
+                   pp_rank, all2all)

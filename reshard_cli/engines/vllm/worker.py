@@ -46,6 +46,8 @@ from reshard_cli.engines.vllm.info import ReshardInitInfo, ReshardUpdateInfo
 from reshard_cli.engines.vllm.target import EngineTarget
 from reshard_cli.plan.groups import stage_budget_mb
 from reshard_cli.errors import ConfigError, ReshardError
+from reshard_cli.formats.derived import ALL2ALL_DEFAULT
+from reshard_cli.formats.vllm import ALL2ALL
 from reshard_cli.layouts.models import not_refit
 from reshard_cli.plan.fleet import fleet_of
 from reshard_cli.transfer.comm import abort_group, refit_group
@@ -274,8 +276,8 @@ def worker_role(dst, replica: int, local: int, worker: int) -> str:
 
 
 def check_deployment(dst, parallel_config, worker: int, replica: int = 0) -> None:
-    """The destination layout must describe this vLLM deployment: format, sizes, expert parallelism, and a
-    replica the layout has (its `dp`)."""
+    """The destination layout must describe this vLLM deployment: format, sizes, expert parallelism (and,
+    where it spans the replicas, whether MoE runs sequence-parallel), and a replica the layout has (its `dp`)."""
     if dst.format != "vllm":
         raise ConfigError(f"the engine's layout must have `format: vllm`, not {dst.format!r}", key="dst")
     mesh = next(iter(dst.meshes.values()))
@@ -288,12 +290,26 @@ def check_deployment(dst, parallel_config, worker: int, replica: int = 0) -> Non
     if bool(dst.experts) != runs["ep"] and any(".experts." in t.name for t in dst.manifest.tensors):
         raise ConfigError(f"the layout {'has' if dst.experts else 'has no'} expert parallelism, the engine "
                           f"{'does not' if dst.experts else 'does'}", key="dst")
+    _check_all2all(dst, runs)
     fleet = fleet_of(dst)
     if replica >= fleet.replicas:
         raise ConfigError(f"this engine's data-parallel rank is replica {replica} of the fleet, the layout has "
                           f"{fleet.replicas} (dp {fleet.replicas})", key="dst")
     if worker >= dst.size:
         raise ConfigError(f"vLLM worker {worker} has no rank in the layout ({dst.size} ranks)", key="dst")
+
+
+def _check_all2all(dst, runs: dict) -> None:
+    """With experts over the replicas, the layout's all2all backend must agree with the engine's on whether MoE
+    layers run sequence-parallel: that decides whether each rank keeps shared experts whole or TP-sharded."""
+    if "dp" not in (dst.experts or ()):
+        return
+    mine = dst.engine.get("all2all_backend") or ALL2ALL_DEFAULT
+    if ALL2ALL.get(runs["all2all"]) != ALL2ALL[mine]:
+        how = {True: "sequence-parallel", False: "not sequence-parallel", None: "unknown to this reshard"}
+        raise ConfigError(f"the engine runs MoE all2all backend {runs['all2all']!r} "
+                          f"({how[ALL2ALL.get(runs['all2all'])]}), the layout {mine!r} ({how[ALL2ALL[mine]]}): set "
+                          f"`engine.all2all_backend: {runs['all2all']}` in it", key="dst")
 
 
 def _reports_failures(parallel_config, local: int) -> bool:

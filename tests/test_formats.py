@@ -88,6 +88,8 @@ def test_expert_parallel_round_robin_needs_grouped_routing(tmp_path):
      "http(s) URL"),
     ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {all2all_backend: deepep}\n",
      "engine.all2all_backend", "unknown all2all backend 'deepep' (vLLM's: allgather_reducescatter, deepep_high"),
+    ("model: qwen3-30b-a3b\nformat: vllm\nmesh: {tp: 2}\nengine: {all2all_backend: [moonep]}\n",
+     "engine.all2all_backend", "unknown all2all backend ['moonep']"),
 ])
 def test_bad_vllm_layouts_are_one_line(tmp_path, body, key, text):
     with pytest.raises(ConfigError) as info:

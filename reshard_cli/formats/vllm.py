@@ -139,7 +139,7 @@ def all2all_backend(engine: dict, file: str) -> str:
     """`engine.all2all_backend` (vLLM's `--all2all-backend`), checked against vLLM's names; the default where
     it is not given."""
     backend = engine.get("all2all_backend", derived.ALL2ALL_DEFAULT)
-    if backend not in ALL2ALL:
+    if not isinstance(backend, str) or backend not in ALL2ALL:
         raise ConfigError(f"unknown all2all backend {backend!r} (vLLM's: {', '.join(sorted(ALL2ALL))})", file=file,
                           key="engine.all2all_backend", line=_line(engine, "all2all_backend"))
     return backend

@@ -108,6 +108,8 @@ SYMBOLS: list[tuple[str, str, tuple | None]] = [
     ("vllm.model_executor.layers.fused_moe.expert_map_manager", "ExpertMapManager", None),
     # (compat.forget_stale_pp_layers: vLLM's memo of a model's missing pipeline layers, keyed by id(model))
     ("vllm.model_executor.models.utils", "_model_to_pp_missing_layer_names", None),
+    # (compat.forget_meta_ropes: vLLM's rotary embeddings, memoised process-wide by their parameters)
+    ("vllm.model_executor.layers.rotary_embedding", "_ROPE_DICT", None),
 ]
 
 

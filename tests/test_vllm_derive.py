@@ -159,6 +159,26 @@ def test_parallel_state_is_left_as_it_was(derived):
     assert (ps._TP, ps._EP, ps._WORLD) == before
 
 
+def test_a_build_leaves_no_memo_that_a_later_build_would_share():
+    """vLLM memoises process-wide: rotary embeddings by their parameters (`get_rope`), a model's missing
+    pipeline layers by the `id` of the module that asks (the inner model too). A meta build followed by a CPU
+    build of the same config must give the CPU model CPU rotary caches, and no memo may hold an entry under
+    the id of a module of a new build (it would be another, freed module's list)."""
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+    from vllm.model_executor.models.utils import _model_to_pp_missing_layer_names as pp_memo
+
+    from reshard_cli.engines.vllm.derive import _vllm
+
+    with _vllm(LLAMA, 1, 0, False, "linear", 1, 0, 1, 0, "allgather_reducescatter") as build:
+        meta, _ = build("bfloat16", "meta")
+        assert not any(b.device.type == "meta" for m in _ROPE_DICT.values() for b in m.buffers())
+        for module in meta.modules():
+            pp_memo[id(module)] = ["stale."]  # as if a freed module of another build had had this id
+        cpu, _ = build("bfloat16", "cpu")
+    assert [n for n, b in cpu.named_buffers() if b.device.type == "meta"] == []
+    assert not {id(m) for m in cpu.modules()} & set(pp_memo)
+
+
 # ------------------------------------------------------------------------------ families without hand rules
 
 

@@ -484,16 +484,31 @@ def build_model(model_dir: str, *, tp_size: int, expert_parallel: bool, expert_p
             moe_flags_of(ParallelConfig(**sizes, all2all_backend=all2all)):
         model = initialize_model(vllm_config=vc)
     forget_stale_pp_layers(model)
+    if device == "meta":
+        forget_meta_ropes()
     return model, vc
 
 
 def forget_stale_pp_layers(model) -> None:
-    """Drop what vLLM remembers of the pipeline stages' missing layers under this new model's `id()`: it keys
-    that memo by `id(model)`, so a model built where an earlier one (another stage) was freed would skip that
+    """Drop what vLLM remembers of the pipeline stages' missing layers under this new model's `id()`s: it keys
+    that memo by the `id` of the module whose `load_weights` asks (the inner model, `DeepseekV2Model`, as often
+    as the outer one), so a module built where an earlier one (another stage's) was freed would skip that
     one's layers (a KeyError in `load_weights`) when several ranks are built in one process."""
     from vllm.model_executor.models import utils
 
-    utils._model_to_pp_missing_layer_names.pop(id(model), None)
+    for module in model.modules():
+        utils._model_to_pp_missing_layer_names.pop(id(module), None)
+
+
+def forget_meta_ropes() -> None:
+    """Drop the rotary embeddings vLLM memoises process-wide (`get_rope`, keyed by their parameters) whose
+    caches are on the meta device: a model built on CPU after a meta build would share them, and its
+    `cos_sin_cache` would have no data."""
+    from vllm.model_executor.layers import rotary_embedding as rope
+
+    for key, module in list(rope._ROPE_DICT.items()):
+        if any(b.device.type == "meta" for b in module.buffers()):
+            del rope._ROPE_DICT[key]
 
 
 @contextlib.contextmanager

@@ -10,7 +10,9 @@ peers waiting for bytes that will not come. So a refit group carries a watchdog 
               that fails is retried until the group closes. A process that is stopped (SIGSTOP), killed, or
               hung with the interpreter locked stops counting.
   faults      a rank that fails on its own (an exception mid-transfer) writes its one-line error under
-              `fault/<n>` before it gives up; so does a rank that found a stalled peer.
+              `fault` (the first one stays) before it gives up; so does a rank that found a stalled peer. Each
+              rank that reads it says so (`seen/<rank>`), and rank 0, whose process holds the store, keeps it
+              until the others have (or died: `linger`) before its group ends.
   waits       every wait on the group's traffic runs on a helper thread while the caller polls the store
               (`check`, on a client of its own too) twice a second: the first reported fault, or a peer whose
               count has not moved for `stall` seconds, ends the wait with that line (`GroupBroken`). A transport error (a dead peer's
@@ -48,6 +50,7 @@ from reshard_cli.errors import RuntimeFailure
 
 POLL = 0.5  # seconds between two looks at the store while a wait is blocked
 DEATH_WINDOW = 3.0  # after a transport error: how long a peer's silent heartbeat takes to say it died
+NO_FAULT = "\0"  # what `check` reads under `fault` while no rank has reported one
 
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()  # watchdogs and guards whose threads run: stopped at exit
@@ -108,6 +111,7 @@ class Watchdog:
         now = time.monotonic()
         self._seen = {r: (None, now) for r in range(size) if r != rank}  # rank -> (count, when it last moved)
         self._stop = threading.Event()
+        self._acked = False  # this rank said it read the group's fault (`linger`)
         self.store.add(f"hb/{rank}", 1)  # before the check-in: every key exists once the group has formed
         self._thread: threading.Thread | None = None
 
@@ -158,19 +162,28 @@ class Watchdog:
         return f"{self.label} {rank}" + (f" ({role})" if role else "")
 
     def report(self, fault: Fault) -> None:
-        """Tell every rank of the group this fault (the first one reported is the one every rank names)."""
+        """Tell every rank of the group this fault (the first one reported is the one every rank names): its
+        line is written whole in one step, so a rank that sees it can read it in the same step."""
         try:
-            n = self.store.add("faults", 1)
-            self.store.set(f"fault/{n}", ",".join(map(str, fault.ranks)) + "|" + fault.line)
+            self.store.compare_set("fault", "", ",".join(map(str, fault.ranks)) + "|" + fault.line)
+            self.store.add("faults", 1)  # (how `stale` tells a group given up)
+            self._read()
         except Exception:  # noqa: BLE001 - no store: the others find out from it being gone
             pass
+
+    def _read(self) -> None:
+        """Say on the store that this rank has read the group's fault (`linger`)."""
+        if not self._acked:
+            self._acked = True
+            self.store.add(f"seen/{self.rank}", 1)
 
     def check(self, stall: float | None = None) -> Fault | None:
         """The first fault reported, or the peers silent for `stall` seconds; None if all is well."""
         try:
-            if self.store.add("faults", 0):
-                self.store.wait(["fault/1"], timedelta(seconds=5))
-                ranks, _, line = self.store.get("fault/1").decode().partition("|")
+            raw = self.store.compare_set("fault", NO_FAULT, NO_FAULT)  # read, in one step; creates nothing
+            if raw != NO_FAULT.encode():
+                self._read()
+                ranks, _, line = raw.decode().partition("|")
                 return Fault(line, tuple(int(r) for r in ranks.split(",") if r))
             peers = sorted(self._seen)
             counts = self.store.multi_get([f"hb/{r}" for r in peers])
@@ -193,6 +206,28 @@ class Watchdog:
         names = ", ".join(self.who(r) for r in silent[:4]) + (f" and {len(silent) - 4} more" if len(silent) > 4 else "")
         return Fault(f"{names} stopped answering: no heartbeat for {longest:.0f} s (the process died or is stalled)",
                      tuple(silent))
+
+    def linger(self, named: tuple = ()) -> None:
+        """On the rank whose process holds the store (rank 0), before a group given up after a fault ends: keep
+        the store until every other rank has read the fault, or is one it names, or has gone silent (died), for
+        `DEATH_WINDOW` + two beats at most. A peer that looked only after the store was gone would name this
+        rank ("the group's store ... is gone") instead of the fault."""
+        deadline = time.monotonic() + DEATH_WINDOW + 2 * self.interval
+        waiting = set(self._seen) - set(named)
+        try:
+            while waiting and time.monotonic() < deadline:
+                waiting = {r for r in waiting if not self.store.add(f"seen/{r}", 0)}
+                peers = sorted(waiting)
+                now = time.monotonic()
+                for r, raw in zip(peers, self.store.multi_get([f"hb/{r}" for r in peers]) if peers else []):
+                    last, since = self._seen[r]
+                    if int(raw) != last:
+                        self._seen[r] = (int(raw), now)
+                    elif now - since > DEATH_WINDOW:
+                        waiting.discard(r)
+                time.sleep(POLL / 5)
+        except Exception:  # noqa: BLE001 - the store is gone already: nothing to keep
+            pass
 
     def cause(self, error: BaseException) -> Fault:
         """Why a transport operation failed: a reported fault, or the peer that stopped within DEATH_WINDOW
@@ -388,6 +423,8 @@ class Guard:
         if self.closed:
             return False
         self.closed = True  # first: a later wait raises, instead of starting a monitor over dead heartbeats
+        if self.broken is not None and self.watchdog.rank == 0:  # this process holds the group's store
+            self.watchdog.linger(self.broken.ranks)
         self.watchdog.mark_closed()
         self.watchdog.close()
         self._monitor_stop.set()

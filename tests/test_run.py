@@ -148,3 +148,25 @@ def test_world_too_small_under_torchrun(tmp_path):
                        cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
     assert r.returncode != 0
     assert "world size 2 is smaller than the 5 ranks" in r.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failed_validation_is_said_once_by_rank_0_and_by_another_only_where_rank_0_passed(monkeypatch, rank):
+    """`launcher.prepare`: rank 0 raises the line at once; another rank first leaves rank 0 the time to say
+    the same (it exiting first could let torchrun stop rank 0 before its line is out), then raises its own
+    line itself (not a silent exit): there rank 0 passed the check, and nobody else would say it."""
+    from reshard_cli.errors import ConfigError
+    from reshard_cli.transfer import launcher
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    waited = []
+    monkeypatch.setattr(launcher.time, "sleep", waited.append)
+
+    def validate():
+        raise ConfigError("no such file", file="dst.yaml", key="model")
+
+    with pytest.raises(ConfigError, match="no such file") as e:
+        launcher.prepare(validate)
+    assert not e.value.quiet and e.value.exit_code == 2
+    assert waited == ([launcher.REPORT_GRACE] if rank else [])

@@ -5,7 +5,7 @@ command needs, each running this same command line; torchrun's agent forwards Ct
 and stops them all when one fails, and the failure becomes one line naming the rank.
 
 Under torchrun (RANK/WORLD_SIZE set), a command is a worker: `prepare()` validates its input on every rank
-(rank 0 prints the one-line error, the others exit with the same code silently), `process_group()` joins the
+(rank 0 prints the one-line error; the others leave it time to, and torchrun stops them), `process_group()` joins the
 job, and `all_ok()` turns a failure on any rank into one error that names each failed rank.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -95,15 +96,22 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
+REPORT_GRACE = 20.0  # seconds a rank whose validation failed leaves rank 0 to say the same, before it does
+
+
 def prepare(fn: Callable[[], T]) -> T:
     """Run a worker's validation (the same on every rank, before the process group exists): rank 0 raises
-    the error for the user, the other ranks exit with its code without printing it again."""
+    the error for the user. Another rank that fails waits for rank 0 to fail the same way (torchrun then stops
+    it); exiting at once, it could be the failure torchrun acts on first and stop rank 0 before its line is
+    out (a loaded host). Where rank 0 has not failed within `REPORT_GRACE` seconds (the check differs there:
+    a file only some hosts have), the rank raises its own line."""
     try:
         return fn()
-    except ReshardError as e:
+    except ReshardError:
         if rank_and_world()[0] == 0:
             raise
-        raise Reported(str(e), e.exit_code) from None
+        time.sleep(REPORT_GRACE)
+        raise
 
 
 def check_world(world: int, needed: int, what: str) -> None:

@@ -97,6 +97,18 @@ def write_pair(tmp_path: Path, name: str) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Each test leaves this process's environment as it found it: a variable one sets here (a `reshard` command
+    run in-process sets OMP_NUM_THREADS; a helper run in-process sets MASTER_PORT) would reach every process
+    the tests after it start, in an order that depends on how the suite is split over workers."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture
 def small_model(tmp_path):
     (tmp_path / "model.yaml").write_text(SMALL_MODEL)
@@ -186,8 +198,17 @@ def tier_markers(module: str, test: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(marks))
 
 
+# The modules that take longest (minutes each on 2 cores), longest first: they run first, so that the suite's
+# workers (pytest-xdist, one module each at a time: `--dist loadfile`) end together instead of one of them
+# starting a long module when the other is nearly done.
+LONGEST_FIRST = ("test_vllm_engine", "test_megatron", "test_vllm_refit", "test_vllm_serve_fleet", "test_vllm_staging",
+                 "test_run", "test_vllm_serve", "test_transport", "test_api", "test_vllm_serve_dp")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = Path(str(item.fspath)).stem
         for name in tier_markers(module, item.name):
             item.add_marker(getattr(pytest.mark, name))
+    rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))  # stable: file order otherwise

@@ -5,8 +5,8 @@ command needs, each running this same command line; torchrun's agent forwards Ct
 and stops them all when one fails, and the failure becomes one line naming the rank.
 
 Under torchrun (RANK/WORLD_SIZE set), a command is a worker: `prepare()` validates its input on every rank
-(rank 0 prints the one-line error; the others leave it time to, and torchrun stops them), `process_group()` joins the
-job, and `all_ok()` turns a failure on any rank into one error that names each failed rank.
+(rank 0 prints the one-line error; the others leave it time to, and torchrun stops them), `process_group()`
+joins the job, and `all_ok()` turns a failure on any rank into one error that names each failed rank.
 """
 from __future__ import annotations
 

@@ -42,7 +42,6 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
 

@@ -51,6 +51,37 @@ def test_the_first_reported_fault_is_everyones(store):
     assert me.check() == Fault("refit rank 1 (trainer 1): the transfer failed (RuntimeError: boom)", (1,))
 
 
+def test_rank_0_keeps_the_store_until_every_live_peer_read_the_fault(monkeypatch):
+    """Rank 0's process holds the store: a group given up after a fault lingers there until each other rank has
+    read the fault (else a peer looking after the store was gone would name rank 0, not the rank that failed),
+    not for ranks the fault names, nor for a rank whose heartbeat has stopped (dead)."""
+    from reshard_cli.transfer import watchdog
+
+    monkeypatch.setattr(watchdog, "DEATH_WINDOW", 60.0)  # what ends the linger below is the read, not a deadline
+    store = dist.TCPStore("127.0.0.1", free_port(), 4, is_master=True, wait_for_workers=False)
+    root, failed, reader, dead = (Watchdog(store, r, 4, interval=0.05) for r in range(4))
+    for w in (root, failed, reader):
+        w.start()
+    line = "refit rank 1 (vLLM worker 0): setting up the transfer failed (RuntimeError: boom)"
+    failed.report(Fault(line, (1,)))
+    assert root.check() == Fault(line, (1,))
+    linger = threading.Thread(target=root.linger, args=((1, 3),))  # the fault names 1; 3 is named too
+    linger.start()
+    linger.join(0.5)
+    assert linger.is_alive()  # rank 2 has not read it yet
+    assert reader.check() == Fault(line, (1,))
+    linger.join(30)
+    assert not linger.is_alive()
+    monkeypatch.setattr(watchdog, "DEATH_WINDOW", 0.3)
+    slow = Watchdog(store, 0, 4, interval=20.0)  # its own deadline: 40 s and more
+    quiet = threading.Thread(target=slow.linger)  # rank 3 never beat or read: dropped once silent 0.3 s
+    quiet.start()
+    quiet.join(30)
+    assert not quiet.is_alive()
+    for w in (root, failed, reader, dead, slow):
+        w.close()
+
+
 class _Transport:
     """A stand-in for a process group: a wait on it blocks until the group is shut down, then raises as gloo
     does."""

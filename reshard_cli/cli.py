@@ -415,14 +415,15 @@ def main(obj: dict | None = None) -> None:
             sys.exit(e.exit_code)
         if not e.quiet:
             typer.echo(f"reshard: error: {e}", err=True)
-        if getattr(e, "group_broken", False):  # a helper thread may still wait on the dead group: not joined
+        broken = getattr(e, "group_broken", False)  # a helper thread may still wait on the dead group
+        if (broken or e.exit_code == 2) and "RANK" in os.environ and dist_initialized():
+            from reshard_cli.transfer.launcher import leave  # torch: only torchrun workers get here
+
+            leave(e.exit_code, printer=not e.quiet)  # the printer first, then the others (os._exit)
+        if broken:  # not joined: os._exit
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(e.exit_code)
-        if e.exit_code == 2 and "RANK" in os.environ and dist_initialized():
-            from reshard_cli.transfer.launcher import leave_agreed  # torch: only torchrun workers get here
-
-            leave_agreed(printer=not e.quiet)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         typer.echo("reshard: interrupted", err=True)

@@ -159,7 +159,7 @@ def process_group(backend: str, timeout: float) -> Iterator[torch.device]:
     except ReshardError as e:
         if e.exit_code != 2:
             dist.destroy_process_group()
-        raise  # bad input every rank agreed on: `leave_agreed` ends the process, gloo is not torn down
+        raise  # bad input every rank agreed on: `leave` ends the process, gloo is not torn down
     except BaseException:
         dist.destroy_process_group()
         raise
@@ -190,14 +190,15 @@ def _named(e: GroupBroken) -> ReshardError:
     return out
 
 
-_PRINTED = "reshard/bad-input-printed"  # set by the worker that printed an agreed bad-input error
+_PRINTED = "reshard/error-printed"  # set by the worker that printed the job's one-line error
 
 
-def leave_agreed(printer: bool) -> None:
-    """A torchrun worker's exit (code 2) after a bad-input error every rank agreed on. Tearing gloo down while
-    the peers leave too can abort in C++ ("terminate called without an active exception") and add a line the
-    user should not see, so no worker tears it down: each leaves at once with os._exit. The worker that
-    printed the line says so on the job's store first, and the quiet ones wait for that (at most 10 s), so
+def leave(code: int, printer: bool) -> None:
+    """A torchrun worker's exit (with `code`) after an error one worker prints: bad input every rank agreed on
+    (2), or a broken group's line (1, `_named`). Tearing gloo down while the peers leave too can abort in C++
+    ("terminate called without an active exception") and add a line the user should not see, and a broken
+    group may still have a thread inside gloo, so no worker tears it down: each leaves with os._exit. The worker
+    that printed the line says so on the job's store first, and the quiet ones wait for that (at most 10 s), so
     torchrun, which stops every worker when one exits, never stops the printer before its line is out."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -210,7 +211,7 @@ def leave_agreed(printer: bool) -> None:
             store.wait([_PRINTED], timedelta(seconds=10))
     except Exception:  # noqa: BLE001 - no store (it left with its host), or no line within 10 s: leave anyway
         pass
-    os._exit(2)
+    os._exit(code)
 
 
 def all_ok(stage: str, error: BaseException | None) -> None:

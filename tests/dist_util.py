@@ -9,6 +9,32 @@ import torch.multiprocessing as mp
 from reshard_cli.base.ports import free_port  # noqa: F401  (tests import it from here)
 
 
+def shm_files() -> set:
+    """reshard's files in /dev/shm now."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("reshard-shm-")} if os.path.isdir("/dev/shm") else set()
+
+
+def shm_files_left(before: set) -> set:
+    """reshard's files in /dev/shm made since `before` by a process that has ended: what a finished job left
+    behind. (A running process's files belong to a test running beside this one, on another worker.)"""
+    from reshard_cli.transfer.shm import _NAME  # reshard-shm-<group>-p<pid>-r<rank>-<kind><n>
+
+    def ended(name: str) -> bool:
+        m = _NAME.match(name)
+        if m is None:
+            return True  # not a name reshard makes now: left, and worth a look
+        try:
+            pid = int(m.group(1))
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    return {n for n in shm_files() - before if ended(n)}
+
+
 def agreed_port() -> int:
     """A port for a rendezvous of its own (a refit group), inside `run_ranks`' ranks: picked free by rank 0 once
     the default group's connections hold their ports (one picked before them can be taken by one of them),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from dist_util import shm_files, shm_files_left
 
 from reshard_cli.bench import BenchOptions, measure, report, suite as bench_suite
 from reshard_cli.errors import ConfigError
@@ -58,7 +59,7 @@ def test_bench_shared_memory_beside_the_backend(tmp_path):
     """`--transport shm`: every engine mode and the live API timed twice, over gloo and over shared memory,
     side by side on the same processes and buffers, each run verified exactly; the copy limit beside the link
     limit; no file left in /dev/shm."""
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("reshard-shm-")}
+    before = shm_files()
     js = tmp_path / "bench.json"
     r = reshard("bench", "--src", TRAIN, "--dst", INFER, "--transport", "shm", "--iters", "2", "--no-plan-scaling",
                 "--json", js, "--quiet")
@@ -74,7 +75,7 @@ def test_bench_shared_memory_beside_the_backend(tmp_path):
             base = case["modes"][mode.removesuffix("@shm")]
             assert v["wire_bytes"] == base["wire_bytes"] and v["vs_backend"] > 0, mode
     assert case["copy_limit_gbps"] > 0 and "copy limit" in r.stdout and "reshard@shm" in r.stdout
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("reshard-shm-")} <= before
+    assert shm_files_left(before) == set()
 
 
 def _fake_case(**seconds):

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, write_pair
+from dist_util import shm_files, shm_files_left
 
 TRAIN, INFER = ROOT / "layouts/demo/train.yaml", ROOT / "layouts/demo/infer.yaml"
 
@@ -64,14 +65,10 @@ def test_injected_faults_are_caught(tmp_path, faults):
     assert not (out / "manifest.json").exists()  # never a complete-looking output
 
 
-def _shm_files() -> set:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("reshard-shm-")} if os.path.isdir("/dev/shm") else set()
-
-
 def test_shared_memory_transport_run_is_exact_and_leaves_no_file(tmp_path):
     """`--transport shm`: the demo over shared memory, exact (values and checksums) and the same checksums as
     over gloo; its files in /dev/shm gone when the job ends."""
-    before = _shm_files()
+    before = shm_files()
     docs = {}
     for transport in ("gloo", "shm"):
         js = tmp_path / f"{transport}.json"
@@ -82,7 +79,7 @@ def test_shared_memory_transport_run_is_exact_and_leaves_no_file(tmp_path):
     assert docs["shm"]["transport"].startswith("shm") and docs["gloo"]["transport"] == "gloo"
     assert docs["shm"]["wrong"] == 0 and docs["shm"]["verified"] == "exact values + checksums"
     assert docs["shm"]["checksums"] == docs["gloo"]["checksums"]
-    assert _shm_files() <= before
+    assert shm_files_left(before) == set()
     r = reshard("run", "--src", TRAIN, "--dst", INFER, "--transport", "shm", "--backend", "nccl", "--quiet")
     assert r.returncode == 2 and "--transport" in r.stderr and r.stderr.strip().count("\n") == 0
 

@@ -16,23 +16,11 @@ def shm_files() -> set:
 
 def shm_files_left(before: set) -> set:
     """reshard's files in /dev/shm made since `before` by a process that has ended: what a finished job left
-    behind. (A running process's files belong to a test running beside this one, on another worker.)"""
-    from reshard_cli.transfer.shm import _NAME  # reshard-shm-<group>-p<pid>-r<rank>-<kind><n>
+    behind (`shm.sweep`'s test). A running process's files belong to a test running beside this one, on another
+    worker; a name reshard does not make counts as left."""
+    from reshard_cli.transfer.shm import _NAME, _alive  # reshard-shm-<group>-p<pid>-r<rank>-<kind><n>
 
-    def ended(name: str) -> bool:
-        m = _NAME.match(name)
-        if m is None:
-            return True  # not a name reshard makes now: left, and worth a look
-        try:
-            pid = int(m.group(1))
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
-    return {n for n in shm_files() - before if ended(n)}
+    return {n for n in shm_files() - before if not ((m := _NAME.match(n)) and _alive(int(m.group(1))))}
 
 
 def agreed_port() -> int:
